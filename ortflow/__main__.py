@@ -1,0 +1,3 @@
+from ortflow.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Acceleration engines: `none` (eager PyTorch), `ortmodule` and `artifacts`, behind one Engine protocol."""

@@ -1,0 +1,135 @@
+"""`accel=artifacts`: torch.onnx.export (training mode) -> generate_artifacts -> onnxruntime.training.api.
+
+Loss, gradients and the optimizer all run inside ORT. The artifacts (forward.onnx, training/eval/optimizer
+models, checkpoint) are written to <run dir>/onnx/. Final weights come back as a torch state_dict under the
+original parameter names.
+"""
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from ortflow.accel import compat
+from ortflow.accel.engine import IGNORE_INDEX, EvalResult, eval_sums, pad_batch
+from ortflow.config import ArtifactsAccelConfig, OptimConfig, OptimName
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "model."  # FlatLogits stores the user's model as `.model`, so its initializers carry this prefix
+
+
+class FlatLogits(nn.Module):
+    """Exported wrapper: logits flattened to (N, C), the layout ORT's SoftmaxCrossEntropyLoss expects."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        logits = self.model(inputs)
+        return logits.reshape(-1, logits.size(-1))
+
+
+def _optimizer_block(optim: OptimConfig, grad_clip: float | None):
+    from onnxruntime.training import onnxblock
+
+    clip = onnxblock.optim.ClipGradNorm(grad_clip) if grad_clip is not None else None
+    if optim.name == OptimName.adamw:
+        return onnxblock.optim.AdamW(
+            betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay, clip_grad=clip
+        )
+    return onnxblock.optim.SGD(clip_grad=clip)
+
+
+class ArtifactsEngine:
+    """Trains through onnxruntime.training.api's CheckpointState, Module and Optimizer."""
+
+    name = "artifacts"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: torch.Tensor,
+        optim: OptimConfig,
+        grad_clip: float | None,
+        accel: ArtifactsAccelConfig,
+        onnx_dir: Path,
+    ) -> None:
+        """
+        Args:
+            model: the torch model; its current weights become the initial weights.
+            example_inputs: one training batch of inputs; its shape is the shape ORT trains on.
+        """
+        from onnxruntime.training import api, artifacts, onnxblock
+
+        self.model = model
+        self.batch_size = example_inputs.size(0)
+        onnx_dir.mkdir(parents=True, exist_ok=True)
+        forward_path = onnx_dir / "forward.onnx"
+        model.train()
+        with compat.quiet_export():
+            compat.export_training_onnx(FlatLogits(model), example_inputs, forward_path, accel.opset)
+        forward = onnx.load(str(forward_path))
+        compat.add_dropout_masks(forward)
+        params = dict(model.named_parameters())
+        artifacts.generate_artifacts(
+            forward,
+            requires_grad=[_PREFIX + n for n, p in params.items() if p.requires_grad],
+            frozen_params=[_PREFIX + n for n, p in params.items() if not p.requires_grad],
+            loss=onnxblock.loss.CrossEntropyLoss(ignore_index=IGNORE_INDEX),
+            optimizer=_optimizer_block(optim, grad_clip),
+            artifact_directory=onnx_dir,
+            additional_output_names=["logits"],
+        )
+        self.state = api.CheckpointState.load_checkpoint(str(onnx_dir / "checkpoint"))
+        self.module = api.Module(
+            str(onnx_dir / "training_model.onnx"), self.state, str(onnx_dir / "eval_model.onnx")
+        )
+        self.optimizer = api.Optimizer(str(onnx_dir / "optimizer_model.onnx"), self.module)
+        self.optimizer.set_learning_rate(optim.lr)
+        self.steps = 0
+        self.evals = 0
+        log.info("artifacts in %s; ORT trains %d parameter tensors", onnx_dir, len(params))
+
+    @staticmethod
+    def _feeds(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        return inputs.numpy(), targets.reshape(-1).numpy()
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        inputs, targets = pad_batch(inputs, targets, self.batch_size)
+        self.module.train()
+        loss, _ = self.module(*self._feeds(inputs, targets))
+        self.optimizer.step()
+        self.module.lazy_reset_grad()
+        self.steps += 1
+        return float(loss)
+
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
+        inputs, targets = pad_batch(inputs, targets, self.batch_size)
+        self.module.eval()
+        loss, logits = self.module(*self._feeds(inputs, targets))
+        self.evals += 1
+        return eval_sums(torch.from_numpy(np.asarray(loss)), torch.from_numpy(logits), targets.reshape(-1))
+
+    def set_lr(self, lr: float) -> None:
+        self.optimizer.set_learning_rate(lr)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights ORT holds, under the torch model's state_dict names (buffers from the torch model)."""
+        weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        for name in dict(self.model.named_parameters()):
+            weights[name] = torch.from_numpy(np.array(self.state.parameters[_PREFIX + name].data))
+        return weights
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "engine": self.name,
+            "executed_by": "onnxruntime",
+            "ort_train_steps": self.steps,
+            "ort_eval_batches": self.evals,
+        }

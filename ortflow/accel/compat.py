@@ -1,0 +1,142 @@
+"""Everything that depends on the torch version or on onnxruntime-training internals, in one place.
+
+Supporting another torch or ORT version means revisiting this module only. Each patch below fixes one measured
+failure of ORTModule 1.19.2 with torch 2.6 on the seed TransformerModel; each is applied once, idempotently.
+"""
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+import torch
+
+log = logging.getLogger(__name__)
+
+# ORT 1.19 reads ONNX IR <= 10, and its gradient builder mishandles LayerNormalization at opset 17.
+MAX_ARTIFACTS_OPSET = 16
+
+
+# ----------------------------------------------------------------------------------------------- torch side
+def disable_transformer_fastpath() -> None:
+    """Keep nn.TransformerEncoderLayer off torch's fused inference kernel.
+
+    In eval mode under no_grad the layer calls `torch._transformer_encoder_layer_fwd`, which the ONNX exporter
+    cannot export: ORTModule's eval export fails, falls back to PyTorch, and training stays there afterwards.
+    """
+    torch.backends.mha.set_fastpath_enabled(False)
+
+
+def export_training_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
+    """torch.onnx.export in training mode as ORT's training-artifacts flow expects: parameters kept as
+    initializers named like the torch state_dict, no constant folding, dropout kept live.
+
+    The batch dimension is dynamic; other dimensions are those of `example`.
+    """
+    torch.onnx.export(
+        model,
+        (example,),
+        str(path),
+        input_names=["input"],
+        output_names=["logits"],
+        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+        export_params=True,
+        do_constant_folding=False,
+        training=torch.onnx.TrainingMode.TRAINING,
+        opset_version=opset,
+    )
+
+
+# ------------------------------------------------------------------------------------------------- ORT side
+def add_dropout_masks(model: onnx.ModelProto) -> int:
+    """Give every Dropout node its optional `mask` output. Returns how many nodes were changed.
+
+    torch exports the attention-weights dropout of scaled_dot_product_attention with one output, while ORT's
+    Dropout gradient reads the mask (`gradient_builder_base.h: i < node_->OutputDefs().size()`). Asking for the
+    mask changes nothing in the forward result.
+    """
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type == "Dropout" and len(node.output) == 1:
+            node.output.append(f"{node.name or node.output[0]}_mask")
+            changed += 1
+    return changed
+
+
+class OrtRunCounter:
+    """Counts ORT's own session runs inside ORTModule: proof that ORT, not PyTorch, executed a step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.forward = 0  # training-graph forward runs (TrainingAgent.run_forward)
+        self.backward = 0  # training-graph backward runs (TrainingAgent.run_backward)
+        self.inference = 0  # eval-graph runs (InferenceAgent.run_forward)
+
+    def bump(self, kind: str) -> None:
+        with self._lock:
+            setattr(self, kind, getattr(self, kind) + 1)
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return self.forward, self.backward, self.inference
+
+
+ORT_RUNS = OrtRunCounter()
+_patched = False
+
+
+def _count(cls: type, method: str, kind: str) -> None:
+    original = getattr(cls, method)
+
+    def counted(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        ORT_RUNS.bump(kind)
+        return result
+
+    setattr(cls, method, counted)
+
+
+def patch_ortmodule() -> None:
+    """Apply the ORTModule fixes (idempotent). Import ORTModule only after calling this."""
+    global _patched
+    if _patched:
+        return
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    from onnxruntime.training.ortmodule import _execution_agent
+    from onnxruntime.training.ortmodule._graph_transition_manager import GraphTransitionManager
+
+    _count(_execution_agent.TrainingAgent, "run_forward", "forward")
+    _count(_execution_agent.TrainingAgent, "run_backward", "backward")
+    _count(_execution_agent.InferenceAgent, "run_forward", "inference")
+
+    get_exported = GraphTransitionManager._get_exported_model
+
+    def get_exported_with_masks(*args, **kwargs):
+        exported_model, output_schema = get_exported(*args, **kwargs)
+        if changed := add_dropout_masks(exported_model):
+            log.debug("added the mask output to %d Dropout node(s) of the exported graph", changed)
+        return exported_model, output_schema
+
+    def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+        # Symbolic shape inference asserts in _infer_Reshape (is_literal(shape_rank)) on the Reshape that
+        # nn.MultiheadAttention exports; ONNX's own shape inference handles that graph.
+        try:
+            return SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
+        except AssertionError:
+            log.info("ORT symbolic shape inference failed on this graph; using ONNX shape inference instead")
+            return onnx.shape_inference.infer_shapes(model)
+
+    GraphTransitionManager._get_exported_model = staticmethod(get_exported_with_masks)
+    GraphTransitionManager._infer_shapes = staticmethod(infer_shapes)
+    _patched = True
+
+
+@contextlib.contextmanager
+def quiet_export() -> Iterator[None]:
+    """Silence torch.onnx's warnings about training-mode export, which ortflow asks for on purpose."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.onnx")
+        yield

@@ -1,0 +1,76 @@
+"""Torch autograd + torch.optim: the `none` engine, and the optimizer half of the `ortmodule` engine."""
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from ortflow.accel.engine import EvalResult, WithLoss, eval_sums
+from ortflow.config import OptimConfig, OptimName
+
+log = logging.getLogger(__name__)
+
+
+def build_torch_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch.optim optimizer for `cfg` (same hyperparameters the artifacts engine bakes into its graph)."""
+    if cfg.name == OptimName.adamw:
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+class EagerEngine:
+    """Runs `module` (a WithLoss, possibly wrapped by ORTModule) with torch autograd and torch.optim."""
+
+    name = "none"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        model: nn.Module,
+        optim: OptimConfig,
+        grad_clip: float | None,
+    ) -> None:
+        """
+        Args:
+            module: what is called with (inputs, targets); returns the loss in train mode.
+            model: the user's torch model inside `module` (owner of the state_dict names).
+            optim: optimizer settings.
+            grad_clip: max global grad norm, or None for no clipping.
+        """
+        self.module = module
+        self.model = model
+        self.optimizer = build_torch_optimizer(module.parameters(), optim)
+        self.grad_clip = grad_clip
+
+    @classmethod
+    def from_model(cls, model: nn.Module, optim: OptimConfig, grad_clip: float | None) -> "EagerEngine":
+        return cls(WithLoss(model), model, optim, grad_clip)
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        self.module.train()
+        loss = self.module(inputs, targets)
+        loss.backward()
+        if self.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    @torch.no_grad()
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
+        self.module.eval()
+        loss, logits = self.module(inputs, targets)
+        return eval_sums(loss, logits, targets)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": self.name, "executed_by": "pytorch"}

@@ -1,0 +1,93 @@
+"""The Engine protocol: everything the loop needs, whichever runtime executes the model."""
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Targets equal to this are padding: they carry no loss and no accuracy. Same value as torch's default.
+IGNORE_INDEX = -100
+
+
+@dataclass
+class EvalResult:
+    """Sums over one eval batch, so that batches of any size aggregate exactly."""
+
+    loss_sum: float  # summed cross-entropy over counted targets
+    correct: int  # counted targets whose argmax prediction is right
+    count: int  # targets that are not IGNORE_INDEX
+
+    def __add__(self, other: "EvalResult") -> "EvalResult":
+        return EvalResult(self.loss_sum + other.loss_sum, self.correct + other.correct, self.count + other.count)
+
+
+class Engine(Protocol):
+    """What the loop talks to. Implementations: EagerEngine, ORTModuleEngine, ArtifactsEngine."""
+
+    name: str
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward, backward and optimizer step on one batch; returns the batch's mean loss."""
+        ...
+
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
+        """Loss and accuracy sums on one batch, in eval mode, without touching the parameters."""
+        ...
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights under the torch model's own state_dict names."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What really executed so far (runtime, counts of ORT runs, fallbacks) for logs and metadata."""
+        ...
+
+
+def flat_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all positions: logits (B, ..., C), targets (B, ...)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+class WithLoss(nn.Module):
+    """Model plus loss in one module, so ORTModule runs the loss inside ORT too.
+
+    Training mode returns the loss only; eval mode returns (loss, logits) for accuracy.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor):
+        logits = self.model(inputs)
+        loss = flat_cross_entropy(logits, targets)
+        return loss if self.training else (loss, logits)
+
+
+def eval_sums(loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> EvalResult:
+    """Turn a batch's mean loss and logits into sums over the non-padding targets."""
+    keep = targets != IGNORE_INDEX
+    count = int(keep.sum())
+    correct = int(((logits.argmax(-1) == targets) & keep).sum())
+    return EvalResult(float(loss) * count, correct, count)
+
+
+def pad_batch(
+    inputs: torch.Tensor, targets: torch.Tensor, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad a short batch along dim 0 to `batch_size`: zero inputs, IGNORE_INDEX targets.
+
+    ORT graphs are exported for the first batch's shape; a smaller last batch would hit shapes baked into the
+    graph (a Reshape in nn.MultiheadAttention). Padded rows carry no loss, and samples do not interact across
+    the batch dimension, so the mean loss over the real rows is unchanged.
+    """
+    missing = batch_size - inputs.size(0)
+    if missing <= 0:
+        return inputs, targets
+    pad_in = inputs.new_zeros((missing, *inputs.shape[1:]))
+    pad_tg = targets.new_full((missing, *targets.shape[1:]), IGNORE_INDEX)
+    return torch.cat([inputs, pad_in]), torch.cat([targets, pad_tg])

@@ -1,0 +1,181 @@
+"""Structured-config schema: one dataclass per config group, registered with Hydra in `register_configs`.
+
+The YAML files under conf/ choose values; these classes fix which keys exist and their types, so a typo, a
+wrong type or an unknown key stops Hydra before anything runs. Groups with several shapes (model, data,
+accel) register one schema per option; each option's YAML names its schema first in its defaults list.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, SI
+
+
+# ----------------------------------------------------------------------------------------------------- model
+@dataclass
+class TransformerModelConfig:
+    _target_: str = "ortflow.models.transformer.build_transformer"
+    vocab_size: int = 256  # byte-level text data has 256 token ids
+    d_model: int = 128
+    nhead: int = 4
+    num_layers: int = 2
+    dim_feedforward: int = 2048  # nn.TransformerEncoderLayer's default
+    dropout: float = 0.1  # nn.TransformerEncoderLayer's default
+    causal: bool = True  # attend only to earlier positions (a language model must not see the next token)
+
+
+@dataclass
+class MLPModelConfig:
+    _target_: str = "ortflow.models.mlp.build_mlp"
+    in_features: int = 64  # 8x8 digits
+    num_classes: int = 10
+    hidden: list[int] = field(default_factory=lambda: [128, 64])
+    dropout: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------------------ data
+@dataclass
+class TextDataConfig:
+    _target_: str = "ortflow.data.text.build_text_data"
+    source: str = "python_docs"  # `python_docs` (embedded corpus) or a path to any local text file
+    block_size: int = 64  # tokens (bytes) per sequence
+    batch_size: int = 32
+    val_fraction: float = 0.1  # share held out for evaluation, taken from the end of the text
+    seed: int = SI("${seed}")
+    num_workers: int = 0
+
+
+@dataclass
+class DigitsDataConfig:
+    _target_: str = "ortflow.data.digits.build_digits_data"
+    batch_size: int = 64
+    val_fraction: float = 0.25  # stratified held-out share of the 1,797 images
+    seed: int = SI("${seed}")
+    num_workers: int = 0
+
+
+# ----------------------------------------------------------------------------------------------------- accel
+class Fallback(Enum):
+    fail = "fail"  # stop with an error if ORT cannot run the model (ORT's own fallback disabled)
+    warn = "warn"  # let ORTModule fall back to PyTorch; ortflow logs it and records executed_by=pytorch
+
+
+@dataclass
+class NoneAccelConfig:
+    name: str = "none"
+
+
+@dataclass
+class ORTModuleAccelConfig:
+    name: str = "ortmodule"
+    fallback: Fallback = Fallback.fail
+    opset: int | None = None  # ONNX opset for ORTModule's export; null keeps ORTModule's default (17)
+
+
+@dataclass
+class ArtifactsAccelConfig:
+    name: str = "artifacts"
+    opset: int = 16  # must be <= 16: at 17 ORT's gradient builder breaks on LayerNormalization
+
+
+# ----------------------------------------------------------------------------------------- single-shape groups
+@dataclass
+class DistributedConfig:
+    name: str = "none"  # single process; multi-process wrappers come with the distributed issue
+
+
+class OrtLogLevel(Enum):
+    FATAL = "FATAL"
+    ERROR = "ERROR"
+    WARNING = "WARNING"
+    INFO = "INFO"
+    VERBOSE = "VERBOSE"
+
+
+@dataclass
+class DebugConfig:
+    """ORTModule DebugOptions. Saved ONNX files go to <run dir>/onnx/."""
+
+    save_onnx: bool = False
+    log_level: OrtLogLevel = OrtLogLevel.WARNING
+    onnx_prefix: str = "model"
+
+
+class OptimName(Enum):
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+@dataclass
+class OptimConfig:
+    name: OptimName = OptimName.adamw
+    lr: float = 1e-3  # peak learning rate (the scheduler scales it)
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw only
+    eps: float = 1e-8  # adamw only
+    momentum: float = 0.0  # sgd only
+
+
+class SchedulerName(Enum):
+    constant = "constant"
+    cosine = "cosine"  # linear warmup, then cosine decay to min_lr_ratio * lr at trainer.max_steps
+
+
+@dataclass
+class SchedulerConfig:
+    name: SchedulerName = SchedulerName.constant
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100  # optimizer steps
+    eval_every: int = 50  # evaluate every N steps and at the end; 0 = only at the end
+    eval_batches: int | None = None  # cap on validation batches per evaluation; null = the whole split
+    log_every: int = 10  # steps between TensorBoard/terminal loss points
+    grad_clip: float | None = None  # max global gradient norm; null = no clipping
+    device: str = "cpu"
+
+
+@dataclass
+class LoggerConfig:
+    tensorboard: bool = True  # write <run dir>/tensorboard/
+    progress: bool = True  # progress bar on the terminal
+
+
+# ---------------------------------------------------------------------------------------------------- config
+@dataclass
+class Config:
+    model: Any = MISSING
+    data: Any = MISSING
+    accel: Any = MISSING
+    distributed: DistributedConfig = MISSING
+    debug: DebugConfig = MISSING
+    optim: OptimConfig = MISSING
+    scheduler: SchedulerConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
+    seed: int = 0  # seeds python, numpy, torch and the data order
+
+
+_SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"transformer_schema": TransformerModelConfig, "mlp_schema": MLPModelConfig},
+    "data": {"text_schema": TextDataConfig, "digits_schema": DigitsDataConfig},
+    "accel": {
+        "none_schema": NoneAccelConfig,
+        "ortmodule_schema": ORTModuleAccelConfig,
+        "artifacts_schema": ArtifactsAccelConfig,
+    },
+}
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore (idempotent; call before composing)."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, schemas in _SCHEMAS.items():
+        for name, node in schemas.items():
+            cs.store(group=group, name=name, node=node)

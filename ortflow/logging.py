@@ -1,0 +1,62 @@
+"""Where a run reports: TensorBoard scalars/text under <run dir>/tensorboard, a progress bar, run metadata."""
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ortflow.config import LoggerConfig
+
+log = logging.getLogger(__name__)
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write JSON through a temporary file and rename, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+        json.dump(payload, tmp, indent=2, default=str)
+    os.replace(tmp.name, path)
+
+
+class RunLogger:
+    """Scalars and text to TensorBoard, one line per log point to the Python log, and a progress bar."""
+
+    def __init__(self, run_dir: Path, cfg: LoggerConfig, total_steps: int) -> None:
+        self.writer = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.progress: Progress | None = None
+        if cfg.progress:
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+            )
+            self.task = self.progress.add_task("train", total=total_steps, status="")
+            self.progress.start()
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+        log.info("step %d  %s", step, "  ".join(f"{k}={v:.4g}" for k, v in values.items()))
+
+    def text(self, tag: str, text: str) -> None:
+        if self.writer is not None:
+            # TensorBoard renders text as markdown; a code block keeps YAML/JSON indentation.
+            self.writer.add_text(tag, f"```\n{text}\n```", 0)
+
+    def advance(self, status: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, advance=1, status=status)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.writer is not None:
+            self.writer.close()

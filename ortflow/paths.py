@@ -1,0 +1,13 @@
+"""Where the config tree is: inside the package in a wheel, at the repository top in a checkout."""
+
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def config_dir() -> Path:
+    """The directory holding config.yaml (and recipe/, the recipes)."""
+    for candidate in (_PACKAGE / "conf", _PACKAGE.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"ortflow's config tree was not found in {_PACKAGE / 'conf'} or {_PACKAGE.parent / 'conf'}")

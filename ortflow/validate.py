@@ -1,0 +1,73 @@
+"""Cross-field rules checked once at start-up, all reported together, each naming the key and the fix.
+
+Single-key types and allowed keys are the schema's job (ortflow/config.py); this module holds the rules that
+involve several groups (accel x optim x debug x trainer x data).
+"""
+
+from omegaconf import DictConfig
+
+from ortflow.accel.compat import MAX_ARTIFACTS_OPSET
+from ortflow.errors import collect
+
+ACCEL_NAMES = ("none", "ortmodule", "artifacts")
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    """Every cross-field problem in `cfg`, as messages naming the key to change."""
+    found: list[str] = []
+    accel, trainer, data = cfg.accel.name, cfg.trainer, cfg.data
+    if accel not in ACCEL_NAMES:
+        found.append(f"accel.name={accel!r} is not one of {ACCEL_NAMES}; choose the mode with accel=<mode>.")
+    if accel == "artifacts":
+        if cfg.accel.opset > MAX_ARTIFACTS_OPSET:
+            found.append(
+                f"accel.opset={cfg.accel.opset}: artifacts need opset <= {MAX_ARTIFACTS_OPSET} (at 17 ORT's "
+                "gradient builder breaks on LayerNormalization)."
+            )
+        if cfg.optim.name.value == "sgd" and (cfg.optim.momentum or cfg.optim.weight_decay):
+            found.append(
+                "optim.momentum/optim.weight_decay: ORT's SGD graph (accel=artifacts) has neither; set both to 0 "
+                "or use optim=adamw."
+            )
+    if accel != "ortmodule" and (cfg.debug.save_onnx or cfg.debug.log_level.value != "WARNING"):
+        found.append(
+            f"debug: ORTModule debug options apply to accel=ortmodule only, not accel={accel}; use debug=off "
+            "(accel=artifacts always writes its ONNX files to <run dir>/onnx/)."
+        )
+    if cfg.distributed.name != "none":
+        found.append(f"distributed={cfg.distributed.name}: only distributed=none is available.")
+    for key in ("max_steps", "log_every"):
+        if trainer[key] < 1:
+            found.append(f"trainer.{key}={trainer[key]} must be >= 1.")
+    if trainer.eval_every < 0:
+        found.append(f"trainer.eval_every={trainer.eval_every} must be >= 0 (0 = only at the end).")
+    if trainer.eval_batches is not None and trainer.eval_batches < 1:
+        found.append(f"trainer.eval_batches={trainer.eval_batches} must be >= 1, or null for all.")
+    if trainer.grad_clip is not None and trainer.grad_clip <= 0:
+        found.append(f"trainer.grad_clip={trainer.grad_clip} must be > 0, or null for no clipping.")
+    if trainer.device != "cpu":
+        found.append(
+            f"trainer.device={trainer.device}: this build of ortflow (onnxruntime-training-cpu) trains on cpu only."
+        )
+    if cfg.optim.lr <= 0:
+        found.append(f"optim.lr={cfg.optim.lr} must be > 0.")
+    if cfg.scheduler.name.value != "constant" and cfg.scheduler.warmup_steps >= trainer.max_steps:
+        found.append(
+            f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must be below trainer.max_steps="
+            f"{trainer.max_steps}."
+        )
+    if "batch_size" in data and data.batch_size < 1:
+        found.append(f"data.batch_size={data.batch_size} must be >= 1.")
+    if "val_fraction" in data and not 0 < data.val_fraction < 1:
+        found.append(f"data.val_fraction={data.val_fraction} must be between 0 and 1.")
+    if "block_size" in data and data.block_size < 1:
+        found.append(f"data.block_size={data.block_size} must be >= 1.")
+    is_text = "_target_" in data and data._target_.endswith("build_text_data")
+    if is_text and "vocab_size" in cfg.model and cfg.model.vocab_size < 256:
+        found.append(f"model.vocab_size={cfg.model.vocab_size}: byte-level text data needs vocab_size >= 256.")
+    return found
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise one OrtflowError listing every problem, or return."""
+    collect(problems(cfg), "The configuration has problems (fix these keys and run again):")
