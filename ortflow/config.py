@@ -161,14 +161,12 @@ class Config:
     seed: int = 0  # seeds python, numpy, torch and the data order
 
 
+# Per-option schemas live in the `schema/<group>` groups; an option's YAML pulls its schema in with
+# `- /schema/<group>/<option>@_here_`, so `ortflow --help` lists only the real options under <group>.
 _SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"transformer_schema": TransformerModelConfig, "mlp_schema": MLPModelConfig},
-    "data": {"text_schema": TextDataConfig, "digits_schema": DigitsDataConfig},
-    "accel": {
-        "none_schema": NoneAccelConfig,
-        "ortmodule_schema": ORTModuleAccelConfig,
-        "artifacts_schema": ArtifactsAccelConfig,
-    },
+    "model": {"transformer": TransformerModelConfig, "mlp": MLPModelConfig},
+    "data": {"text": TextDataConfig, "digits": DigitsDataConfig},
+    "accel": {"none": NoneAccelConfig, "ortmodule": ORTModuleAccelConfig, "artifacts": ArtifactsAccelConfig},
 }
 
 
@@ -178,4 +176,4 @@ def register_configs() -> None:
     cs.store(name="config_schema", node=Config)
     for group, schemas in _SCHEMAS.items():
         for name, node in schemas.items():
-            cs.store(group=group, name=name, node=node)
+            cs.store(group=f"schema/{group}", name=name, node=node)

@@ -34,7 +34,10 @@ class RunLogger:
         self.progress: Progress | None = None
         if cfg.progress:
             self.progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
                 TimeRemainingColumn(),
             )
             self.task = self.progress.add_task("train", total=total_steps, status="")

@@ -68,8 +68,11 @@ def _versions() -> dict[str, str]:
     import onnxruntime
 
     return {
-        "python": sys.version.split()[0], "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
-        "onnx": onnx.__version__, "hydra": hydra.__version__,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "onnx": onnx.__version__,
+        "hydra": hydra.__version__,
     }
 
 
@@ -103,13 +106,22 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     torch.save(engine.model_state_dict(), tmp)
     tmp.replace(checkpoint)
     summary = {
-        "command": sys.argv, "seed": cfg.seed, "engine": execution, "metrics": metrics, "data": data.info,
-        "versions": _versions(), "cpu_count": torch.get_num_threads(),
+        "command": sys.argv,
+        "seed": cfg.seed,
+        "engine": execution,
+        "metrics": metrics,
+        "data": data.info,
+        "versions": _versions(),
+        "cpu_count": torch.get_num_threads(),
     }
     write_json_atomic(run_dir / "run.json", summary)
     log.info(
         "done: train loss %.4f, eval loss %.4f, eval accuracy %.4f, %.1f samples/s, executed by %s. Run dir: %s",
-        metrics["train/loss"], metrics["eval/loss"], metrics["eval/accuracy"], metrics["perf/samples_per_sec"],
-        execution["executed_by"], run_dir,
+        metrics["train/loss"],
+        metrics["eval/loss"],
+        metrics["eval/accuracy"],
+        metrics["perf/samples_per_sec"],
+        execution["executed_by"],
+        run_dir,
     )
     return {**metrics, "executed_by": execution["executed_by"], "run_dir": str(run_dir)}

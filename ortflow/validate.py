@@ -4,7 +4,9 @@ Single-key types and allowed keys are the schema's job (ortflow/config.py); this
 involve several groups (accel x optim x debug x trainer x data).
 """
 
-from omegaconf import DictConfig
+import dataclasses
+
+from omegaconf import DictConfig, OmegaConf
 
 from ortflow.accel.compat import MAX_ARTIFACTS_OPSET
 from ortflow.errors import collect
@@ -12,9 +14,31 @@ from ortflow.errors import collect
 ACCEL_NAMES = ("none", "ortmodule", "artifacts")
 
 
+def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
+    """Keys that a schema does not declare. Hydra's `+key=value` can add them even in struct mode; the code
+    would then silently ignore them."""
+    found = []
+    schema = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(schema):
+        declared = {f.name for f in dataclasses.fields(schema)}
+        for key in node:
+            if key not in declared:
+                found.append(f"{path}{key} is not a setting ortflow knows; remove it (known: {sorted(declared)}).")
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            found += unknown_keys(child, f"{path}{key}.")
+    return found
+
+
 def problems(cfg: DictConfig) -> list[str]:
     """Every cross-field problem in `cfg`, as messages naming the key to change."""
-    found: list[str] = []
+    found = unknown_keys(cfg)
+    found += [
+        f"{key} is required (it is ???); set it, e.g. {key}=<value>." for key in sorted(OmegaConf.missing_keys(cfg))
+    ]
+    if found:
+        return found  # the rules below read these keys
     accel, trainer, data = cfg.accel.name, cfg.trainer, cfg.data
     if accel not in ACCEL_NAMES:
         found.append(f"accel.name={accel!r} is not one of {ACCEL_NAMES}; choose the mode with accel=<mode>.")
@@ -53,8 +77,7 @@ def problems(cfg: DictConfig) -> list[str]:
         found.append(f"optim.lr={cfg.optim.lr} must be > 0.")
     if cfg.scheduler.name.value != "constant" and cfg.scheduler.warmup_steps >= trainer.max_steps:
         found.append(
-            f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must be below trainer.max_steps="
-            f"{trainer.max_steps}."
+            f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must be below trainer.max_steps={trainer.max_steps}."
         )
     if "batch_size" in data and data.batch_size < 1:
         found.append(f"data.batch_size={data.batch_size} must be >= 1.")

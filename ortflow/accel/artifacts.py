@@ -65,7 +65,10 @@ class ArtifactsEngine:
             model: the torch model; its current weights become the initial weights.
             example_inputs: one training batch of inputs; its shape is the shape ORT trains on.
         """
+        import onnxruntime
         from onnxruntime.training import api, artifacts, onnxblock
+
+        onnxruntime.set_default_logger_severity(3)  # ORT's graph-transformer chatter is INFO; keep errors only
 
         self.model = model
         self.batch_size = example_inputs.size(0)
@@ -77,19 +80,18 @@ class ArtifactsEngine:
         forward = onnx.load(str(forward_path))
         compat.add_dropout_masks(forward)
         params = dict(model.named_parameters())
-        artifacts.generate_artifacts(
-            forward,
-            requires_grad=[_PREFIX + n for n, p in params.items() if p.requires_grad],
-            frozen_params=[_PREFIX + n for n, p in params.items() if not p.requires_grad],
-            loss=onnxblock.loss.CrossEntropyLoss(ignore_index=IGNORE_INDEX),
-            optimizer=_optimizer_block(optim, grad_clip),
-            artifact_directory=onnx_dir,
-            additional_output_names=["logits"],
-        )
+        with compat.quiet_root_logger():
+            artifacts.generate_artifacts(
+                forward,
+                requires_grad=[_PREFIX + n for n, p in params.items() if p.requires_grad],
+                frozen_params=[_PREFIX + n for n, p in params.items() if not p.requires_grad],
+                loss=onnxblock.loss.CrossEntropyLoss(ignore_index=IGNORE_INDEX),
+                optimizer=_optimizer_block(optim, grad_clip),
+                artifact_directory=onnx_dir,
+                additional_output_names=["logits"],
+            )
         self.state = api.CheckpointState.load_checkpoint(str(onnx_dir / "checkpoint"))
-        self.module = api.Module(
-            str(onnx_dir / "training_model.onnx"), self.state, str(onnx_dir / "eval_model.onnx")
-        )
+        self.module = api.Module(str(onnx_dir / "training_model.onnx"), self.state, str(onnx_dir / "eval_model.onnx"))
         self.optimizer = api.Optimizer(str(onnx_dir / "optimizer_model.onnx"), self.module)
         self.optimizer.set_learning_rate(optim.lr)
         self.steps = 0

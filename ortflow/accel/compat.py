@@ -6,6 +6,7 @@ failure of ORTModule 1.19.2 with torch 2.6 on the seed TransformerModel; each is
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,11 +133,46 @@ def patch_ortmodule() -> None:
     _patched = True
 
 
+def set_ortmodule_fallback(allowed: bool) -> None:
+    """Choose ORTModule's fallback policy for ORTModules constructed after this call.
+
+    ORTModule's fallback manager reads the module global ORTMODULE_FALLBACK_POLICY at construction; the
+    ORTMODULE_FALLBACK_POLICY environment variable only changes what its start-up banner prints. Set both.
+    """
+    from onnxruntime.training import ortmodule
+    from onnxruntime.training.ortmodule._fallback import _FallbackPolicy
+
+    if allowed:
+        policy = (
+            _FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE
+            | _FallbackPolicy.FALLBACK_UNSUPPORTED_DATA
+            | _FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL
+            | _FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL
+        )
+        os.environ.pop("ORTMODULE_FALLBACK_POLICY", None)
+    else:
+        policy = _FallbackPolicy.FALLBACK_DISABLE
+        os.environ["ORTMODULE_FALLBACK_POLICY"] = policy.name
+    ortmodule.ORTMODULE_FALLBACK_POLICY = policy
+
+
+@contextlib.contextmanager
+def quiet_root_logger() -> Iterator[None]:
+    """generate_artifacts logs each file it saves through the root logger at INFO; keep that out of run logs."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
 @contextlib.contextmanager
 def quiet_export() -> Iterator[None]:
     """Silence torch.onnx's warnings about training-mode export, which ortflow asks for on purpose."""
     import warnings
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.onnx")
+        warnings.filterwarnings("ignore", module=r"torch\.onnx")
         yield

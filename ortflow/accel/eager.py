@@ -15,9 +15,7 @@ log = logging.getLogger(__name__)
 def build_torch_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     """torch.optim optimizer for `cfg` (same hyperparameters the artifacts engine bakes into its graph)."""
     if cfg.name == OptimName.adamw:
-        return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 

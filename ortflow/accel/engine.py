@@ -76,9 +76,7 @@ def eval_sums(loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -
     return EvalResult(float(loss) * count, correct, count)
 
 
-def pad_batch(
-    inputs: torch.Tensor, targets: torch.Tensor, batch_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_batch(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad a short batch along dim 0 to `batch_size`: zero inputs, IGNORE_INDEX targets.
 
     ORT graphs are exported for the first batch's shape; a smaller last batch would hit shapes baked into the

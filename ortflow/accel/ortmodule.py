@@ -29,15 +29,12 @@ def wrap(module: nn.Module, accel: ORTModuleAccelConfig, debug: DebugConfig, onn
     ORTModule must be the innermost wrapper (DDP or DeepSpeed go around it, never inside).
     """
     ensure_built()
-    # ORTModule reads these when it is constructed.
-    os.environ["ORTMODULE_FALLBACK_POLICY"] = (
-        "FALLBACK_DISABLE"
-        if accel.fallback == Fallback.fail
-        else "FALLBACK_UNSUPPORTED_DEVICE|FALLBACK_UNSUPPORTED_DATA|FALLBACK_UNSUPPORTED_TORCH_MODEL"
-        "|FALLBACK_UNSUPPORTED_ONNX_MODEL"
-    )
+    compat.set_ortmodule_fallback(allowed=accel.fallback == Fallback.warn)
+    # ORTModule reads the opset when it is constructed.
     if accel.opset is not None:
         os.environ["ORTMODULE_ONNX_OPSET_VERSION"] = str(accel.opset)
+    else:
+        os.environ.pop("ORTMODULE_ONNX_OPSET_VERSION", None)
     compat.patch_ortmodule()
     compat.disable_transformer_fastpath()
     from onnxruntime.training.ortmodule import DebugOptions, LogLevel, ORTModule
@@ -53,6 +50,15 @@ def wrap(module: nn.Module, accel: ORTModuleAccelConfig, debug: DebugConfig, onn
         save_path=save_path,
     )
     return ORTModule(module, options)
+
+
+def _reason(err: BaseException) -> str:
+    """The root cause's last line: ORT embeds whole tracebacks in its exception messages."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    return last if ": " in last else f"{type(err).__name__}: {last}"
 
 
 class ORTModuleEngine:
@@ -78,6 +84,19 @@ class ORTModuleEngine:
         self.ort_evals = 0
         self.torch_evals = 0
 
+    def _run(self, step, inputs: torch.Tensor, targets: torch.Tensor):
+        """Call `step`, turning ORTModule's "cannot run this model" exceptions into a clear user error."""
+        from onnxruntime.training.ortmodule._fallback_exceptions import ORTModuleFallbackException
+
+        try:
+            return step(inputs, targets)
+        except ORTModuleFallbackException as err:
+            raise OrtflowError(
+                f"ORTModule cannot run this model in ONNX Runtime ({_reason(err)}). "
+                "Set accel.fallback=warn to let PyTorch run it instead (recorded as executed_by=pytorch), "
+                "or use accel=none."
+            ) from err
+
     def _not_in_ort(self, what: str) -> None:
         message = (
             f"ORTModule did not execute the {what} in ONNX Runtime (PyTorch ran it instead). The log above "
@@ -92,7 +111,7 @@ class ORTModuleEngine:
             self.batch_size = inputs.size(0)
         inputs, targets = pad_batch(inputs, targets, self.batch_size)
         before = compat.ORT_RUNS.snapshot()
-        loss = self.inner.train_step(inputs, targets)
+        loss = self._run(self.inner.train_step, inputs, targets)
         after = compat.ORT_RUNS.snapshot()
         # Proof, not absence of an error: ORT's own training session ran both the forward and the backward.
         if after[0] > before[0] and after[1] > before[1]:
@@ -106,7 +125,7 @@ class ORTModuleEngine:
         real = inputs.size(0)
         inputs, targets = pad_batch(inputs, targets, self.batch_size or real)
         before = compat.ORT_RUNS.inference
-        result = self.inner.eval_step(inputs, targets)
+        result = self._run(self.inner.eval_step, inputs, targets)
         if compat.ORT_RUNS.inference > before:
             self.ort_evals += 1
         else:

@@ -24,12 +24,14 @@ def build_digits_data(batch_size: int, val_fraction: float, seed: int, num_worke
     digits = load_digits()
     x = torch.tensor(digits.data / 16.0, dtype=torch.float32)  # (N, 64)
     y = torch.tensor(digits.target, dtype=torch.long)  # (N,)
-    x_tr, x_val, y_tr, y_val = train_test_split(
-        x, y, test_size=val_fraction, random_state=seed, stratify=y.numpy()
-    )
+    x_tr, x_val, y_tr, y_val = train_test_split(x, y, test_size=val_fraction, random_state=seed, stratify=y.numpy())
     generator = torch.Generator().manual_seed(seed)
     train = DataLoader(
-        TensorDataset(x_tr, y_tr), batch_size, shuffle=True, drop_last=True, generator=generator,
+        TensorDataset(x_tr, y_tr),
+        batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=generator,
         num_workers=num_workers,
     )
     val = DataLoader(TensorDataset(x_val, y_val), batch_size, shuffle=False, num_workers=num_workers)

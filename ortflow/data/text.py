@@ -100,10 +100,20 @@ def build_text_data(
     entropy = unigram_entropy(train_bytes)
     log.info(
         "text data '%s': %d train / %d val windows of %d bytes; unigram entropy %.3f nats",
-        source, len(train_set), len(val_set), block_size, entropy,
+        source,
+        len(train_set),
+        len(val_set),
+        block_size,
+        entropy,
     )
     return Data(
-        train, val,
-        {"source": source, "train_windows": len(train_set), "val_windows": len(val_set),
-         "unigram_entropy": entropy, "vocab_size": VOCAB_SIZE},
+        train,
+        val,
+        {
+            "source": source,
+            "train_windows": len(train_set),
+            "val_windows": len(val_set),
+            "unigram_entropy": entropy,
+            "vocab_size": VOCAB_SIZE,
+        },
     )

@@ -1,0 +1,64 @@
+"""Shared fixtures: compose configs in-process, shrink every run, run the CLI in a subprocess."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from ortflow.config import register_configs
+from ortflow.paths import config_dir
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+# A run small enough for seconds on 2 CPU cores, still through every part of the loop (log, eval, partial batch).
+TINY = [
+    "model.d_model=32",
+    "model.nhead=2",
+    "model.num_layers=1",
+    "model.dim_feedforward=64",
+    "data.block_size=16",
+    "data.batch_size=8",
+    "trainer.max_steps=6",
+    "trainer.eval_every=3",
+    "trainer.eval_batches=3",
+    "trainer.log_every=2",
+    "scheduler.warmup_steps=2",
+    "logger.progress=false",
+]
+
+register_configs()
+
+
+def make_cfg(*overrides: str) -> DictConfig:
+    """Compose the config exactly as the CLI would, in-process."""
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def run_cli(*args: str, cwd: Path, timeout: int = 600, env: dict[str, str] | None = None):
+    """Run `python -m ortflow ARGS` from `cwd` (not the checkout) and capture its output."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "ortflow", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def run_dirs(root: Path) -> list[Path]:
+    """Run directories (those holding a run.json or a .hydra folder) under root/outputs."""
+    return sorted(p.parent for p in (root / "outputs").rglob(".hydra"))
+
+
+@pytest.fixture
+def tiny() -> list[str]:
+    return list(TINY)

@@ -1,0 +1,108 @@
+"""Every config option and recipe composes and validates; bad configs stop before training."""
+
+from pathlib import Path
+
+import pytest
+
+from ortflow.errors import OrtflowError
+from ortflow.paths import config_dir
+from ortflow.validate import problems, validate
+from tests.conftest import REPO, make_cfg
+
+GROUPS = sorted(p.name for p in config_dir().iterdir() if p.is_dir() and p.name != "recipe")
+RECIPES = sorted(p.stem for p in (REPO / "recipes").rglob("*.yaml"))
+ACCELS = sorted(p.stem for p in (config_dir() / "accel").glob("*.yaml"))
+
+
+def test_the_config_tree_has_every_group_the_runner_needs():
+    expected = {"model", "data", "accel", "distributed", "debug", "optim", "scheduler", "trainer", "logger"}
+    assert expected <= set(GROUPS)
+    assert set(ACCELS) == {"none", "ortmodule", "artifacts"}
+    assert {"transformer", "digits"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [f"{group}={p.stem}" for group in GROUPS for p in sorted((config_dir() / group).rglob("*.yaml"))],
+)
+def test_every_group_option_composes(override):
+    group = override.split("=")[0]
+    accel = ["accel=ortmodule"] if group == "debug" else []  # debug options apply to ortmodule only
+    cfg = make_cfg(override, *accel)
+    assert cfg[group] is not None
+    if not (group == "scheduler" and cfg.scheduler.warmup_steps >= cfg.trainer.max_steps):
+        assert problems(cfg) == []
+
+
+@pytest.mark.parametrize("accel", ACCELS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_validates_with_every_accel(recipe, accel):
+    cfg = make_cfg(f"+recipe={recipe}", f"accel={accel}")
+    assert cfg.accel.name == accel
+    validate(cfg)
+
+
+def test_recipe_overrides_really_apply():
+    base, recipe = make_cfg(), make_cfg("+recipe=digits")
+    assert recipe.model._target_.endswith("build_mlp") and base.model._target_.endswith("build_transformer")
+    assert recipe.trainer.max_steps == 300
+
+
+def test_command_line_overrides_win_over_the_recipe():
+    cfg = make_cfg("+recipe=transformer", "trainer.max_steps=7", "model.d_model=64")
+    assert (cfg.trainer.max_steps, cfg.model.d_model) == (7, 64)
+
+
+def test_seed_zero_is_a_real_seed_and_flows_to_the_data():
+    cfg = make_cfg("seed=0")
+    assert cfg.seed == 0 and cfg.data.seed == 0
+    assert make_cfg("seed=5").data.seed == 5
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("accel=foo", "accel/foo"),
+        ("trainer.max_steps=abc", "trainer.max_steps"),
+        ("trainer.nope=1", "trainer.nope"),
+        ("model.d_model=wide", "model.d_model"),
+        ("optim.name=adam", "optim.name"),
+        ("debug.log_level=LOUD", "debug.log_level"),
+        ("+recipe=missing_recipe", "recipe/missing_recipe"),
+    ],
+)
+def test_schema_rejects_bad_overrides_naming_the_key(override, named):
+    with pytest.raises(Exception) as info:  # noqa: B017 - Hydra and OmegaConf raise several types
+        make_cfg(override)
+    chain = f"{info.value} {info.value.__cause__} {info.value.__context__}"
+    assert named in chain
+
+
+def test_cross_field_problems_are_reported_together_naming_each_key():
+    cfg = make_cfg("accel=artifacts", "accel.opset=17", "debug=onnx", "trainer.max_steps=0", "optim.lr=-1")
+    with pytest.raises(OrtflowError) as info:
+        validate(cfg)
+    message = str(info.value)
+    for key in ("accel.opset=17", "debug", "trainer.max_steps=0", "optim.lr=-1"):
+        assert key in message
+
+
+@pytest.mark.parametrize("override", ["+trainer.nope=1", "+accel.threads=2", "+top_level=1"])
+def test_keys_appended_with_plus_that_no_schema_declares_are_refused(override):
+    key = override[1:].split("=")[0]
+    found = problems(make_cfg(override))
+    assert any(p.startswith(f"{key} is not a setting") for p in found), found
+
+
+def test_artifacts_sgd_with_momentum_is_refused():
+    found = problems(make_cfg("accel=artifacts", "optim=sgd", "optim.momentum=0.9"))
+    assert any("optim.momentum" in p for p in found)
+
+
+def test_the_user_can_add_a_recipe_directory(tmp_path: Path):
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /optim: sgd\ntrainer:\n  max_steps: 12\n"
+    )
+    cfg = make_cfg(f"hydra.searchpath=[file://{tmp_path}]", "+recipe=mine")
+    assert cfg.trainer.max_steps == 12 and cfg.optim.name.value == "sgd"
