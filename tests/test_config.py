@@ -72,7 +72,7 @@ def test_seed_zero_is_a_real_seed_and_flows_to_the_data():
     ],
 )
 def test_schema_rejects_bad_overrides_naming_the_key(override, named):
-    with pytest.raises(Exception) as info:  # noqa: B017 - Hydra and OmegaConf raise several types
+    with pytest.raises(Exception) as info:
         make_cfg(override)
     chain = f"{info.value} {info.value.__cause__} {info.value.__context__}"
     assert named in chain

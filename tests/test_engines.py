@@ -126,7 +126,7 @@ def test_ortmodule_fallback_fail_stops_and_warn_records_pytorch(tmp_path, batche
         accel = OmegaConf.merge(OmegaConf.structured(ORTModuleAccelConfig), {"fallback": fallback})
         engine = ORTModuleEngine(Unexportable(), optim, None, accel, OmegaConf.structured(DebugConfig), tmp_path)
         if expect_error:
-            with pytest.raises(OrtflowError, match="cannot be exported.*accel.fallback=warn"):
+            with pytest.raises(OrtflowError, match=r"cannot be exported.*accel\.fallback=warn"):
                 engine.train_step(x, y)
         else:
             engine.train_step(x, y)
