@@ -1,0 +1,36 @@
+# The two README commands. Each sets up .venv first when needed (idempotent), then does its job:
+#   make train                       # ortflow +recipe=transformer accel=ortmodule
+#   make train ARGS="+recipe=digits accel=artifacts"
+#   make test                        # lint + the whole test suite (PYTEST_ARGS="-m 'not slow'" for the fast part)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ortflow-installed
+ARGS ?= +recipe=transformer accel=ortmodule
+PYTEST_ARGS ?=
+# The ninja wheel (used by the one-time extension build) installs into the venv.
+export PATH := $(abspath $(BIN)):$(PATH)
+
+.PHONY: setup train test lint
+
+# Install the pinned stack and ortflow (editable). Redone only when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "ortflow needs Python >= 3.11 (set PYTHON=...)")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install -e ".[dev]"
+	touch $@
+
+# ORTModule's C++ extensions: built once per environment (2-5 min), skipped when present.
+setup: $(STAMP)
+	$(BIN)/python -m ortflow.accel.extensions
+
+train: setup
+	$(BIN)/ortflow $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check ortflow tests
+	$(BIN)/ruff format --check ortflow tests
+
+test: setup lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -1,0 +1,62 @@
+"""The built wheel carries conf/ and the recipes, and an installed ortflow runs from any directory."""
+
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from ortflow.accel import extensions
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
+    (path,) = out.glob("ortflow-*.whl")
+    return path
+
+
+@pytest.mark.slow
+def test_wheel_contains_the_config_tree_and_recipes(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for group in ("accel/ortmodule", "model/transformer", "data/text", "recipe/transformer", "recipe/digits"):
+        assert f"ortflow/conf/{group}.yaml" in names
+    assert "ortflow/conf/config.yaml" in names
+
+
+@pytest.mark.slow
+def test_installed_package_composes_configs_outside_the_checkout(wheel, tmp_path):
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = "import ortflow.paths as p; print(p.config_dir())"
+    where = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site)}, capture_output=True, text=True
+    )
+    assert where.stdout.strip() == str(site / "ortflow" / "conf")
+    result = subprocess.run(
+        [sys.executable, "-m", "ortflow", "+recipe=digits", "--cfg", "job"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "build_mlp" in result.stdout
+
+
+def test_ortmodule_extensions_are_built_and_not_rebuilt():
+    # The set-up built them; asking again must find them and build nothing.
+    assert extensions.is_built()
+    assert extensions.ensure_built() is False
+
+
+def test_an_empty_extension_folder_counts_as_not_built(tmp_path):
+    assert not extensions.is_built(tmp_path)
+    (tmp_path / "torch_interop_utils.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    assert extensions.is_built(tmp_path)
