@@ -2,6 +2,7 @@
 lives here beyond picking the engine builder by name."""
 
 import logging
+import os
 import random
 import sys
 from pathlib import Path
@@ -112,7 +113,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "metrics": metrics,
         "data": data.info,
         "versions": _versions(),
-        "cpu_count": torch.get_num_threads(),
+        "host": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
     }
     write_json_atomic(run_dir / "run.json", summary)
     log.info(

@@ -27,8 +27,11 @@ def test_the_config_tree_has_every_group_the_runner_needs():
 )
 def test_every_group_option_composes(override):
     group = override.split("=")[0]
-    accel = ["accel=ortmodule"] if group == "debug" else []  # debug options apply to ortmodule only
-    cfg = make_cfg(override, *accel)
+    extra = {  # options that need a companion setting to be complete
+        "debug": ["accel=ortmodule"],  # debug options apply to ortmodule only
+        "model=custom": ["model._target_=tests.user_model.build_bigram"],  # custom has no builder of its own
+    }
+    cfg = make_cfg(override, *extra.get(group, []), *extra.get(override, []))
     assert cfg[group] is not None
     if not (group == "scheduler" and cfg.scheduler.warmup_steps >= cfg.trainer.max_steps):
         assert problems(cfg) == []
@@ -40,6 +43,10 @@ def test_every_recipe_composes_and_validates_with_every_accel(recipe, accel):
     cfg = make_cfg(f"+recipe={recipe}", f"accel={accel}")
     assert cfg.accel.name == accel
     validate(cfg)
+
+
+def test_custom_model_without_a_builder_names_the_missing_key():
+    assert any(p.startswith("model._target_ is required") for p in problems(make_cfg("model=custom")))
 
 
 def test_recipe_overrides_really_apply():
