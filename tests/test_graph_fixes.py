@@ -14,8 +14,9 @@ def run(model: onnx.ModelProto, feeds: dict) -> list:
 
 def gather_model() -> onnx.ModelProto:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 5])
-    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("first", "last", "mid")]
-    dims = helper.make_tensor_value_info("dim0", TensorProto.INT64, None)
+    shapes = {"first": [4, 5], "last": [4, 5], "mid": [3, 5]}
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in shapes.items()]
+    dims = helper.make_tensor_value_info("dim0", TensorProto.INT64, [])
     nodes = [
         helper.make_node("Constant", [], ["i0"], value=numpy_helper.from_array(np.array(0, dtype=np.int64))),
         helper.make_node("Constant", [], ["i_last"], value=numpy_helper.from_array(np.array(-1, dtype=np.int64))),
