@@ -91,7 +91,14 @@ class ArtifactsEngine:
                 additional_output_names=["logits"],
             )
         self.state = api.CheckpointState.load_checkpoint(str(onnx_dir / "checkpoint"))
-        self.module = api.Module(str(onnx_dir / "training_model.onnx"), self.state, str(onnx_dir / "eval_model.onnx"))
+        options = onnxruntime.SessionOptions()
+        compat.apply_session_settings(options, accel.intra_op_threads, accel.allow_spinning)
+        self.module = api.Module(
+            str(onnx_dir / "training_model.onnx"),
+            self.state,
+            str(onnx_dir / "eval_model.onnx"),
+            session_options=options,
+        )
         self.optimizer = api.Optimizer(str(onnx_dir / "optimizer_model.onnx"), self.module)
         self.optimizer.set_learning_rate(optim.lr)
         self.steps = 0

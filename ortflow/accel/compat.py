@@ -146,6 +146,15 @@ class OrtRunCounter:
 
 ORT_RUNS = OrtRunCounter()
 _patched = False
+# Session settings for the ORTModules this process creates; ORTModule exposes no option for them.
+ORTMODULE_SESSION: dict[str, int | bool | None] = {"intra_op_threads": None, "allow_spinning": True}
+
+
+def apply_session_settings(options, intra_op_threads: int | None, allow_spinning: bool) -> None:
+    """Thread settings on an onnxruntime.SessionOptions."""
+    if intra_op_threads is not None:
+        options.intra_op_num_threads = intra_op_threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
 
 
 def _count(cls: type, method: str, kind: str) -> None:
@@ -166,6 +175,7 @@ def patch_ortmodule() -> None:
         return
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
     from onnxruntime.training.ortmodule import _execution_agent
+    from onnxruntime.training.ortmodule._graph_execution_manager import GraphExecutionManager
     from onnxruntime.training.ortmodule._graph_transition_manager import GraphTransitionManager
 
     _count(_execution_agent.TrainingAgent, "run_forward", "forward")
@@ -188,6 +198,14 @@ def patch_ortmodule() -> None:
             log.info("ORT symbolic shape inference failed on this graph; using ONNX shape inference instead")
             return onnx.shape_inference.infer_shapes(model)
 
+    session_config = GraphExecutionManager._get_session_config
+
+    def session_config_with_threads(self):
+        options, providers, provider_options = session_config(self)
+        apply_session_settings(options, **ORTMODULE_SESSION)
+        return options, providers, provider_options
+
+    GraphExecutionManager._get_session_config = session_config_with_threads
     GraphTransitionManager._get_exported_model = staticmethod(get_exported_with_masks)
     GraphTransitionManager._infer_shapes = staticmethod(infer_shapes)
     _patched = True
