@@ -1,0 +1,129 @@
+"""One benchmark measurement in its own process: `python -m ortflow.bench_worker MODE STEPS WARMUP [OVERRIDES]`.
+
+Prints one JSON line. A process per measurement gives each mode its own peak memory and a cold first step.
+"""
+
+import copy
+import itertools
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from ortflow.accel.engine import Engine, EvalResult, flat_cross_entropy
+from ortflow.config import register_configs
+from ortflow.data import Data
+from ortflow.logging import RunLogger
+from ortflow.loop import forever, train_loop
+from ortflow.paths import config_dir
+from ortflow.runner import _build, build_engine, seed_everything
+from ortflow.validate import validate
+
+# torch.compile is a reference point, not an accel mode: the eager engine around a compiled model.
+MODES = ("none", "ortmodule", "artifacts", "compile")
+
+
+class Timed:
+    """Engine proxy that adds up the time spent inside the engine's eval steps."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.eval_s = engine, 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
+        start = time.perf_counter()
+        result = self.engine.eval_step(inputs, targets)
+        self.eval_s += time.perf_counter() - start
+        return result
+
+
+def model_flops(model: torch.nn.Module, data: Data) -> int:
+    """FLOPs of one training step (forward + backward), counted by torch on a copy of the model."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    inputs, targets = next(iter(data.train))
+    clone = copy.deepcopy(model).train()
+    with FlopCounterMode(display=False) as counter:
+        flat_cross_entropy(clone(inputs), targets).backward()
+    return counter.get_total_flops()
+
+
+def measure(mode: str, steps: int, warmup: int, overrides: list[str]) -> dict[str, Any]:
+    accel = "none" if mode == "compile" else mode
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("config", [*overrides, f"accel={accel}", "logger.progress=false"])
+    validate(cfg)
+    seed_everything(cfg.seed)
+    data: Data = _build("data", cfg.data)
+    model: torch.nn.Module = _build("model", cfg.model)
+    flops = model_flops(model, data)
+    if mode == "compile":
+        model = torch.compile(model)
+    batches = list(itertools.islice(forever(data.train), 1 + warmup + steps))
+    run_dir = Path(tempfile.mkdtemp(prefix="ortflow-bench-"))
+    start = time.perf_counter()  # export, session creation and compilation all land in the first step
+    engine = build_engine(cfg, model, data, run_dir)
+    engine.train_step(*batches[0])
+    first_step_s = time.perf_counter() - start
+    for x, y in batches[1 : 1 + warmup]:
+        engine.train_step(x, y)
+    timed = batches[1 + warmup :]
+
+    # Bare hand-written loop vs ortflow's loop on the same engine, alternated twice; the loop's final evaluation
+    # (one batch) is measured and taken out.
+    bare, loop = [], []
+    trainer = OmegaConf.merge(cfg.trainer, {"max_steps": steps, "eval_every": 0, "eval_batches": 1})
+    for _ in range(2):
+        start = time.perf_counter()
+        for x, y in timed:
+            engine.train_step(x, y)
+        bare.append(time.perf_counter() - start)
+        proxy, logger = Timed(engine), RunLogger(run_dir, cfg.logger, steps)
+        start = time.perf_counter()
+        train_loop(proxy, _Replay(timed), data.val, trainer, cfg.optim, cfg.scheduler, logger)
+        loop.append(time.perf_counter() - start - proxy.eval_s)
+        logger.close()
+    bare_s = min(bare)
+    return {
+        "mode": mode,
+        "executed_by": "pytorch (torch.compile)" if mode == "compile" else engine.describe()["executed_by"],
+        "samples_per_s": steps * batches[0][0].size(0) / bare_s,
+        "step_ms": 1000 * bare_s / steps,
+        "first_step_s": first_step_s,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "flops_per_step": flops,
+        "runner_overhead": min(loop) / bare_s - 1.0,
+        "batch_size": batches[0][0].size(0),
+    }
+
+
+class _Replay:
+    """The same pre-loaded batches every epoch, so the loop and the bare loop see identical data."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def main() -> None:
+    mode, steps, warmup, *overrides = sys.argv[1:]
+    if mode not in MODES:
+        raise SystemExit(f"mode must be one of {MODES}")
+    register_configs()
+    torch.manual_seed(0)
+    print("ORTFLOW-BENCH " + json.dumps(measure(mode, int(steps), int(warmup), overrides)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
