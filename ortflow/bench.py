@@ -8,6 +8,8 @@ loop with the same engine. Prints a table and writes JSON. A benchmark, not a te
     ortflow-bench                                    # transformer recipe, all modes, 3 repeats
     ortflow-bench --sweep model.d_model=64,128,256   # scaling with model width
     ortflow-bench --sweep data.batch_size=16,32,64 --modes none,ortmodule
+    ortflow-bench --modes 'none,ortmodule,ortmodule:accel.rewrite_gathers=false;accel.allow_spinning=true'
+                                                     # a mode with its own overrides: before/after in one run
 """
 
 import argparse
@@ -113,7 +115,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="ortflow-bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     p.add_argument("--recipe", default="transformer", help="recipe to benchmark (default: transformer)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated, from {','.join(MODES)}; MODE:k=v;k2=v2 gives a mode its own overrides",
+    )
     p.add_argument("--steps", type=int, default=30, help="timed training steps per measurement")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps after the first one")
     p.add_argument("--repeats", type=int, default=3, help="measurements per mode (modes alternate)")
@@ -126,10 +132,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
+    unknown = sorted({m for m in modes if m.partition(":")[0] not in MODES})
     if unknown:
         raise SystemExit(f"ortflow-bench: unknown mode(s) {unknown}; choose from {MODES}")
-    if "ortmodule" in modes:
+    if any(m.startswith("ortmodule") for m in modes):
         ensure_built()  # the one-time build is not part of any measurement
     console = Console(width=None if sys.stdout.isatty() else 140)
     settings = [""]

@@ -76,6 +76,9 @@ class ORTModuleAccelConfig:
     # Idle ORT threads busy-wait for work by default. Under ORTModule, torch runs the optimizer and the glue between
     # ORT's runs on the same cores, and spinning ORT threads slow it down: off measured 15% faster per step.
     allow_spinning: bool = False
+    # Rewrite constant-index Gathers (MultiheadAttention's q/k/v split) as Slice before ORT builds the gradient:
+    # ORT's CPU GatherGrad was a third of the transformer's step. Off only to compare or to rule it out.
+    rewrite_gathers: bool = True
 
 
 @dataclass
@@ -84,6 +87,7 @@ class ArtifactsAccelConfig:
     opset: int = 16  # must be <= 16: at 17 ORT's gradient builder breaks on LayerNormalization
     intra_op_threads: int | None = None  # ORT's intra-op threads; null = ORT's default (one per physical core)
     allow_spinning: bool = True  # ORT's default; everything runs inside ORT here, so nothing competes with it
+    rewrite_gathers: bool = True  # as for ortmodule: constant-index Gather -> Slice before gradient building
 
 
 # ----------------------------------------------------------------------------------------- single-shape groups
@@ -164,7 +168,8 @@ class Config:
     scheduler: SchedulerConfig = MISSING
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
-    seed: int = 0  # seeds python, numpy, torch and the data order
+    seed: int = 0  # seeds python, numpy, torch, ORT and the data order
+    objective: str = "eval/loss"  # the metric a sweep job returns (Optuna optimises it)
 
 
 # Per-option schemas live in the `schema/<group>` groups; an option's YAML pulls its schema in with

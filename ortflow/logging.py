@@ -23,9 +23,11 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
 
 
 class RunLogger:
-    """Scalars and text to TensorBoard, one line per log point to the Python log, and a progress bar."""
+    """Scalars and text to TensorBoard, every log point to <run dir>/metrics.jsonl and the Python log, and a
+    progress bar."""
 
     def __init__(self, run_dir: Path, cfg: LoggerConfig, total_steps: int) -> None:
+        self.points = (run_dir / "metrics.jsonl").open("a")
         self.writer = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -44,6 +46,8 @@ class RunLogger:
             self.progress.start()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        self.points.write(json.dumps({"step": step, **values}) + "\n")
+        self.points.flush()
         if self.writer is not None:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
@@ -54,11 +58,17 @@ class RunLogger:
             # TensorBoard renders text as markdown; a code block keeps YAML/JSON indentation.
             self.writer.add_text(tag, f"```\n{text}\n```", 0)
 
+    def hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
+        """The run's settings and final metrics for TensorBoard's HPARAMS tab (compare the jobs of a sweep)."""
+        if self.writer is not None:
+            self.writer.add_hparams(params, {f"final/{k}": v for k, v in metrics.items()}, run_name="hparams")
+
     def advance(self, status: str) -> None:
         if self.progress is not None:
             self.progress.update(self.task, advance=1, status=status)
 
     def close(self) -> None:
+        self.points.close()
         if self.progress is not None:
             self.progress.stop()
         if self.writer is not None:

@@ -12,6 +12,7 @@ from ortflow.accel.compat import MAX_ARTIFACTS_OPSET
 from ortflow.errors import collect
 
 ACCEL_NAMES = ("none", "ortmodule", "artifacts")
+OBJECTIVES = ("eval/loss", "eval/accuracy", "train/loss", "perf/samples_per_sec")
 
 
 def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
@@ -58,6 +59,8 @@ def problems(cfg: DictConfig) -> list[str]:
             f"debug: ORTModule debug options apply to accel=ortmodule only, not accel={accel}; use debug=off "
             "(accel=artifacts always writes its ONNX files to <run dir>/onnx/)."
         )
+    if cfg.objective not in OBJECTIVES:
+        found.append(f"objective={cfg.objective!r} is not a metric ortflow reports; choose one of {OBJECTIVES}.")
     if cfg.distributed.name != "none":
         found.append(f"distributed={cfg.distributed.name}: only distributed=none is available.")
     for key in ("max_steps", "log_every"):

@@ -3,13 +3,15 @@
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from ortflow.errors import OrtflowError
 from ortflow.paths import config_dir
 from ortflow.validate import problems, validate
 from tests.conftest import REPO, make_cfg
 
-GROUPS = sorted(p.name for p in config_dir().iterdir() if p.is_dir() and p.name != "recipe")
+GROUPS = sorted(p.name for p in config_dir().iterdir() if p.is_dir() and p.name not in ("recipe", "hparams_search"))
 RECIPES = sorted(p.stem for p in (REPO / "recipes").rglob("*.yaml"))
 ACCELS = sorted(p.stem for p in (config_dir() / "accel").glob("*.yaml"))
 
@@ -35,6 +37,14 @@ def test_every_group_option_composes(override):
     assert cfg[group] is not None
     if not (group == "scheduler" and cfg.scheduler.warmup_steps >= cfg.trainer.max_steps):
         assert problems(cfg) == []
+
+
+@pytest.mark.parametrize("search", sorted(p.stem for p in (config_dir() / "hparams_search").glob("*.yaml")))
+def test_every_hparams_search_composes_with_its_sweeper(search):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("config", [f"+hparams_search={search}"], return_hydra_config=True)
+    assert cfg.hydra.sweeper.params and cfg.objective == "eval/loss"
+    validate(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
 
 
 @pytest.mark.parametrize("accel", ACCELS)

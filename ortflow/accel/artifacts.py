@@ -78,7 +78,7 @@ class ArtifactsEngine:
         with compat.quiet_export():
             compat.export_training_onnx(FlatLogits(model), example_inputs, forward_path, accel.opset)
         forward = onnx.load(str(forward_path))
-        compat.prepare_training_graph(forward)
+        compat.prepare_training_graph(forward, accel.rewrite_gathers)
         params = dict(model.named_parameters())
         with compat.quiet_root_logger():
             artifacts.generate_artifacts(

@@ -119,11 +119,11 @@ def constant_gathers_to_slices(model: onnx.ModelProto) -> int:
     return changed
 
 
-def prepare_training_graph(model: onnx.ModelProto) -> None:
+def prepare_training_graph(model: onnx.ModelProto, rewrite_gathers: bool = True) -> None:
     """All graph fixes ortflow applies to an exported forward graph before ORT builds its gradient."""
     if changed := add_dropout_masks(model):
         log.debug("added the mask output to %d Dropout node(s)", changed)
-    if changed := constant_gathers_to_slices(model):
+    if rewrite_gathers and (changed := constant_gathers_to_slices(model)):
         log.debug("rewrote %d constant-index Gather node(s) as Slice", changed)
 
 
@@ -148,6 +148,7 @@ ORT_RUNS = OrtRunCounter()
 _patched = False
 # Session settings for the ORTModules this process creates; ORTModule exposes no option for them.
 ORTMODULE_SESSION: dict[str, int | bool | None] = {"intra_op_threads": None, "allow_spinning": True}
+ORTMODULE_GRAPH: dict[str, bool] = {"rewrite_gathers": True}
 
 
 def apply_session_settings(options, intra_op_threads: int | None, allow_spinning: bool) -> None:
@@ -186,7 +187,7 @@ def patch_ortmodule() -> None:
 
     def get_exported_with_masks(*args, **kwargs):
         exported_model, output_schema = get_exported(*args, **kwargs)
-        prepare_training_graph(exported_model)
+        prepare_training_graph(exported_model, **ORTMODULE_GRAPH)
         return exported_model, output_schema
 
     def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:

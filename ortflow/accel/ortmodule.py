@@ -37,6 +37,7 @@ def wrap(module: nn.Module, accel: ORTModuleAccelConfig, debug: DebugConfig, onn
         os.environ.pop("ORTMODULE_ONNX_OPSET_VERSION", None)
     compat.patch_ortmodule()
     compat.ORTMODULE_SESSION.update(intra_op_threads=accel.intra_op_threads, allow_spinning=accel.allow_spinning)
+    compat.ORTMODULE_GRAPH.update(rewrite_gathers=accel.rewrite_gathers)
     compat.disable_transformer_fastpath()
     from onnxruntime.training.ortmodule import DebugOptions, LogLevel, ORTModule
 

@@ -1,0 +1,84 @@
+"""`ortflow-compare RUN_DIR RUN_DIR [...]`: the config keys on which runs differ, and their final metrics."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+METRICS = ("status", "executed_by", "steps", "train/loss", "eval/loss", "eval/accuracy", "perf/samples_per_sec")
+_ABSENT = "<absent>"
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat |= flatten(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}")
+    return flat
+
+
+def load(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "run.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"ortflow-compare: {path} does not exist; give run directories written by ortflow.") from None
+    except ValueError as err:
+        raise SystemExit(f"ortflow-compare: {path} is not valid JSON ({err}).") from None
+
+
+def differences(configs: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    keys = sorted(set().union(*configs))
+    rows = {k: [c.get(k, _ABSENT) for c in configs] for k in keys}
+    return {k: values for k, values in rows.items() if len({json.dumps(v, default=str) for v in values}) > 1}
+
+
+def metric_values(record: dict[str, Any]) -> list[Any]:
+    metrics = record.get("metrics", {})
+    return [
+        record.get("status"),
+        record.get("engine", {}).get("executed_by"),
+        *(metrics.get(k) for k in METRICS[2:]),
+    ]
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ortflow-compare", description=__doc__)
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (each holds a run.json)")
+    args = parser.parse_args(argv)
+    if len(args.runs) < 2:
+        parser.error("give at least two run directories")
+    records = [load(r) for r in args.runs]
+    names = [str(r) for r in args.runs]
+    console = Console(width=None if sys.stdout.isatty() else 160)
+
+    diff = differences([flatten(r.get("config", {})) for r in records])
+    table = Table(title=f"config: {len(diff)} key(s) differ")
+    table.add_column("key")
+    for name in names:
+        table.add_column(name)
+    for key, values in diff.items():
+        table.add_row(key, *(_fmt(v) for v in values))
+    console.print(table)
+
+    table = Table(title="final metrics")
+    table.add_column("metric")
+    for name in names:
+        table.add_column(name, justify="right")
+    for metric, *values in zip(METRICS, *(metric_values(r) for r in records), strict=True):
+        table.add_row(metric, *(_fmt(v) for v in values))
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Run metadata: what ran, where, from which code, and how it ended. Written to <run dir>/run.json at the start
+(status "running"), and again when the run completes or fails, so even a crashed run leaves a record."""
+
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def git_state(cwd: Path) -> dict[str, Any] | None:
+    """Commit and dirtiness of the git checkout containing `cwd`, or None outside a checkout (or without git)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return {
+            "commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain")),
+            "root": git("rev-parse", "--show-toplevel"),
+        }
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host() -> dict[str, Any]:
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
+    return {
+        "hostname": platform.node(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpus": gpus,
+    }
+
+
+def versions() -> dict[str, str]:
+    import hydra
+    import onnx
+    import onnxruntime
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "onnxruntime-training": onnxruntime.__version__,
+        "onnx": onnx.__version__,
+        "hydra": hydra.__version__,
+    }
+
+
+def now() -> str:
+    return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def start_record(config: dict[str, Any], overrides: list[str], seed: int) -> dict[str, Any]:
+    """Everything known before training starts."""
+    return {
+        "status": "running",
+        "started": now(),
+        "command": [sys.executable, *sys.argv],
+        "overrides": overrides,
+        "cwd": os.getcwd(),
+        "git": git_state(Path.cwd()),
+        "seed": seed,
+        "host": host(),
+        "versions": versions(),
+        "config": config,
+    }

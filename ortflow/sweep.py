@@ -1,0 +1,95 @@
+"""Sweep summary: after `ortflow -m ...`, one row per job at the sweep root (summary.csv, summary.md)."""
+
+import csv
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+
+log = logging.getLogger(__name__)
+
+COLUMNS = (
+    "job",
+    "overrides",
+    "status",
+    "train/loss",
+    "eval/loss",
+    "eval/accuracy",
+    "samples/s",
+    "executed_by",
+    "error",
+)
+
+
+def job_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per job dir (a numbered folder with a .hydra/ inside), in job order."""
+    jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()), key=_job_key)
+    rows = []
+    for job in jobs:
+        try:
+            record = json.loads((job / "run.json").read_text())
+        except (OSError, ValueError):
+            record = {"status": "no record (the job did not start training)"}
+        metrics = record.get("metrics", {})
+        rows.append(
+            {
+                "job": job.name,
+                "overrides": " ".join(record.get("overrides", [])),
+                "status": record.get("status", "?"),
+                "train/loss": metrics.get("train/loss"),
+                "eval/loss": metrics.get("eval/loss"),
+                "eval/accuracy": metrics.get("eval/accuracy"),
+                "samples/s": metrics.get("perf/samples_per_sec"),
+                "executed_by": record.get("engine", {}).get("executed_by"),
+                "error": record.get("error", ""),
+            }
+        )
+    return rows
+
+
+def _job_key(path: Path) -> tuple[int, str]:
+    return (int(path.name), "") if path.name.isdigit() else (sys.maxsize, path.name)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else ("" if value is None else str(value))
+
+
+def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
+    rows = job_rows(sweep_dir)
+    with (sweep_dir / "summary.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+    (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    return rows
+
+
+class SweepSummary(Callback):
+    """Hydra callback (conf/config.yaml, hydra.callbacks) run once after all jobs of a multirun."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            return
+        rows = write_summary(sweep_dir)
+        table = Table(title=f"sweep summary: {sweep_dir}")
+        for column in COLUMNS[:-1]:
+            table.add_column(column)
+        for r in rows:
+            table.add_row(*(_fmt(r[c]) for c in COLUMNS[:-1]))
+        Console(width=None if sys.stdout.isatty() else 160).print(table)
+        failed = [r for r in rows if r["status"] != "completed"]
+        for r in failed:
+            log.error("job %s (%s): %s %s", r["job"], r["overrides"], r["status"], r["error"])
+        log.info("summary: %s (TensorBoard HPARAMS: tensorboard --logdir %s)", sweep_dir / "summary.csv", sweep_dir)
+        if failed:
+            sys.exit(1)
