@@ -25,6 +25,16 @@ def losses(run_dir: Path) -> list[float]:
     return [p["train/loss"] for p in points if "train/loss" in p]
 
 
+def sweep(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """`ortflow -m ARGS` on the tiny config, into a fixed sweep dir."""
+    sweep_dir = tmp_path / "sweep"
+    return run_cli("-m", *args, *TINY, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path), sweep_dir
+
+
+def summary(sweep_dir: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader((sweep_dir / "summary.csv").open()))
+
+
 def git(cwd: Path, *args: str) -> None:
     subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
 
@@ -71,42 +81,36 @@ def test_same_config_twice_gives_the_same_loss_curve(accel, tmp_path):
 
 @pytest.mark.slow
 def test_multirun_runs_every_combination_and_summarises_at_the_sweep_root(tmp_path):
-    sweep = tmp_path / "sweep"
-    result = run_cli(
-        "-m", "optim.lr=1e-3,3e-3", "accel=none,ortmodule", *TINY, f"hydra.sweep.dir={sweep}", cwd=tmp_path
-    )
+    result, sweep_dir = sweep(tmp_path, "optim.lr=1e-3,3e-3", "accel=none,ortmodule")
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = list(csv.DictReader((sweep / "summary.csv").open()))
+    rows = summary(sweep_dir)
     assert len(rows) == 4 and {r["status"] for r in rows} == {"completed"}
     assert {r["executed_by"] for r in rows} == {"pytorch", "onnxruntime"}
     assert {r["overrides"].split()[0] for r in rows} == {"optim.lr=0.001", "optim.lr=0.003"}  # as Hydra writes them
     # TensorBoard hparams for the HPARAMS tab, one per job
-    assert len(list(sweep.glob("*/tensorboard/hparams/events.out.tfevents.*"))) == 4
-    assert (sweep / "summary.md").read_text().count("| completed |") == 4
+    assert len(list(sweep_dir.glob("*/tensorboard/hparams/events.out.tfevents.*"))) == 4
+    assert (sweep_dir / "summary.md").read_text().count("| completed |") == 4
 
 
 @pytest.mark.slow
 def test_a_failing_job_is_reported_and_the_others_still_run(tmp_path):
-    sweep = tmp_path / "sweep"
-    result = run_cli(
-        "-m", "data.source=python_docs,/no/such/corpus.txt", *TINY, f"hydra.sweep.dir={sweep}", cwd=tmp_path
-    )
+    result, sweep_dir = sweep(tmp_path, "data.source=python_docs,/no/such/corpus.txt")
     assert result.returncode != 0  # the sweep as a whole reports the failure
-    rows = {r["job"]: r for r in csv.DictReader((sweep / "summary.csv").open())}
+    rows = {r["job"]: r for r in summary(sweep_dir)}
     assert rows["0"]["status"] == "completed"
     assert rows["1"]["status"] == "failed" and "/no/such/corpus.txt" in rows["1"]["error"]
 
 
 @pytest.mark.slow
 def test_rerunning_an_interrupted_sweep_runs_only_the_unfinished_jobs(tmp_path):
-    sweep = tmp_path / "sweep"
-    args = ["-m", "seed=1,2,3", *TINY, "trainer.max_steps=30", f"hydra.sweep.dir={sweep}"]
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", "seed=1,2,3", *TINY, "trainer.max_steps=30", f"hydra.sweep.dir={sweep_dir}"]
     cmd = [sys.executable, "-m", "ortflow", *args]
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     deadline = time.monotonic() + 300
-    first = sweep / "0" / "run.json"
+    first = sweep_dir / "0" / "run.json"
     while time.monotonic() < deadline:
         if first.exists() and json.loads(first.read_text())["status"] == "completed":
             break
@@ -119,24 +123,19 @@ def test_rerunning_an_interrupted_sweep_runs_only_the_unfinished_jobs(tmp_path):
     result = run_cli(*args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(first.read_text()) == done_before  # job 0 was not run again
-    rows = list(csv.DictReader((sweep / "summary.csv").open()))
-    assert [r["status"] for r in rows] == ["completed"] * 3
-    if (sweep / "1" / "previous-attempt-1").exists():  # job 1 had started: its partial outputs are kept
-        assert json.loads((sweep / "1" / "previous-attempt-1" / "run.json").read_text())["status"] == "running"
+    assert [r["status"] for r in summary(sweep_dir)] == ["completed"] * 3
+    if (sweep_dir / "1" / "previous-attempt-1").exists():  # job 1 had started: its partial outputs are kept
+        assert json.loads((sweep_dir / "1" / "previous-attempt-1" / "run.json").read_text())["status"] == "running"
 
 
 @pytest.mark.slow
 def test_optuna_search_returns_the_objective_and_records_the_best_trial(tmp_path):
-    sweep = tmp_path / "sweep"
-    result = run_cli(
-        "-m", "+hparams_search=optuna", "hydra.sweeper.n_trials=3", *TINY, f"hydra.sweep.dir={sweep}", cwd=tmp_path
-    )
+    result, sweep_dir = sweep(tmp_path, "+hparams_search=optuna", "hydra.sweeper.n_trials=3")
     assert result.returncode == 0, result.stderr[-3000:]
-    best = (sweep / "optimization_results.yaml").read_text()
+    best = (sweep_dir / "optimization_results.yaml").read_text()
     assert "best_params" in best and "optim.lr" in best
-    rows = list(csv.DictReader((sweep / "summary.csv").open()))
     best_value = float(best.split("best_value:")[1].split()[0])
-    assert best_value == pytest.approx(min(float(r["eval/loss"]) for r in rows))
+    assert best_value == pytest.approx(min(float(r["eval/loss"]) for r in summary(sweep_dir)))
 
 
 def test_a_wrong_objective_name_is_an_error_not_a_silent_none(tmp_path):
