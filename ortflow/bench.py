@@ -2,8 +2,10 @@
 
 Reports per mode: samples/s (median and min-max over repeats) and its ratio to eager measured in the same run,
 time to first step (export + session creation; ORTModule's extension build excluded), peak resident memory,
-model FLOP utilisation against a matmul peak measured in the same run, and the runner's overhead against a bare
-loop with the same engine. Prints a table and writes JSON. A benchmark, not a test: nothing here asserts speed.
+model FLOP utilisation against a matmul peak measured in the same run, and the runner's overhead two ways: "vs
+bare" compares ortflow's loop with a bare hand-written loop on the same engine (alternating pairs; as noisy as
+two timings), "outside" is the time ortflow's loop spends outside the engine's calls, relative to the time inside
+them, measured in the same steps. Prints a table and writes JSON. A benchmark, not a test: it asserts no speed.
 
     ortflow-bench                                    # transformer recipe, all modes, 3 repeats
     ortflow-bench --sweep model.d_model=64,128,256   # scaling with model width
@@ -82,6 +84,7 @@ def summarize(runs: list[dict[str, Any]], peak_gflops: float) -> list[dict[str, 
                 "first_step_s": statistics.median(r["first_step_s"] for r in ok),
                 "peak_rss_mb": max(r["peak_rss_mb"] for r in ok),
                 "runner_overhead": statistics.median(r["runner_overhead"] for r in ok),
+                "loop_outside_engine": statistics.median(r["loop_outside_engine"] for r in ok),
                 "mfu": ok[0]["flops_per_step"] * median / ok[0]["batch_size"] / (peak_gflops * 1e9),
             }
             rows.append(row)
@@ -94,11 +97,22 @@ def summarize(runs: list[dict[str, Any]], peak_gflops: float) -> list[dict[str, 
 
 def table(rows: list[dict[str, Any]], title: str) -> Table:
     t = Table(title=title)
-    for col in ("setting", "mode", "samples/s (min-max)", "x eager", "first step", "peak RSS", "MFU", "overhead"):
+    columns = (
+        "setting",
+        "mode",
+        "samples/s (min-max)",
+        "x eager",
+        "first step",
+        "peak RSS",
+        "MFU",
+        "vs bare",
+        "outside",
+    )
+    for col in columns:
         t.add_column(col, justify="left" if col in ("setting", "mode") else "right")
     for r in rows:
         if "error" in r:
-            t.add_row(r["setting"], r["mode"], f"failed: {r['error']}", "", "", "", "", "")
+            t.add_row(r["setting"], r["mode"], f"failed: {r['error']}", *[""] * 6)
             continue
         t.add_row(
             r["setting"],
@@ -109,6 +123,7 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
             f"{r['peak_rss_mb']:.0f} MB",
             f"{100 * r['mfu']:.1f}%",
             f"{100 * r['runner_overhead']:+.1f}%",
+            f"{100 * r['loop_outside_engine']:.2f}%",
         )
     return t
 

@@ -23,6 +23,7 @@ def test_bench_reports_every_mode_with_its_ratio_to_eager(tmp_path):
     assert {rows[m]["executed_by"] for m in ("ortmodule", "artifacts", variant)} == {"onnxruntime"}
     for r in rows.values():
         assert 0 < r["mfu"] < 1 and r["peak_rss_mb"] > 0 and r["first_step_s"] > 0
+        assert r["loop_outside_engine"] >= 0  # the loop cannot spend negative time around the engine
     assert report["matmul_peak_gflops"] > 0
 
 
@@ -35,6 +36,7 @@ def test_a_failed_mode_is_reported_not_hidden():
             "first_step_s": 1,
             "peak_rss_mb": 1,
             "runner_overhead": 0.0,
+            "loop_outside_engine": 0.0,
             "flops_per_step": 1e6,
             "batch_size": 2,
             "executed_by": "pytorch",
