@@ -146,9 +146,8 @@ class OrtRunCounter:
 
 ORT_RUNS = OrtRunCounter()
 _patched = False
-# Session settings for the ORTModules this process creates; ORTModule exposes no option for them.
-ORTMODULE_SESSION: dict[str, int | bool | None] = {"intra_op_threads": None, "allow_spinning": True}
-ORTMODULE_GRAPH: dict[str, bool] = {"rewrite_gathers": True}
+# Settings for the ORTModules this process creates next (see configure_ortmodule); ORTModule has no option for them.
+_ORTMODULE: dict[str, int | bool | None] = {"intra_op_threads": None, "allow_spinning": True, "rewrite_gathers": True}
 
 
 def apply_session_settings(options, intra_op_threads: int | None, allow_spinning: bool) -> None:
@@ -187,7 +186,7 @@ def patch_ortmodule() -> None:
 
     def get_exported_with_masks(*args, **kwargs):
         exported_model, output_schema = get_exported(*args, **kwargs)
-        prepare_training_graph(exported_model, **ORTMODULE_GRAPH)
+        prepare_training_graph(exported_model, bool(_ORTMODULE["rewrite_gathers"]))
         return exported_model, output_schema
 
     def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -203,7 +202,7 @@ def patch_ortmodule() -> None:
 
     def session_config_with_threads(self):
         options, providers, provider_options = session_config(self)
-        apply_session_settings(options, **ORTMODULE_SESSION)
+        apply_session_settings(options, _ORTMODULE["intra_op_threads"], bool(_ORTMODULE["allow_spinning"]))
         return options, providers, provider_options
 
     GraphExecutionManager._get_session_config = session_config_with_threads
@@ -212,12 +211,30 @@ def patch_ortmodule() -> None:
     _patched = True
 
 
-def set_ortmodule_fallback(allowed: bool) -> None:
-    """Choose ORTModule's fallback policy for ORTModules constructed after this call.
+def configure_ortmodule(
+    *,
+    fallback_allowed: bool,
+    opset: int | None,
+    intra_op_threads: int | None,
+    allow_spinning: bool,
+    rewrite_gathers: bool,
+) -> None:
+    """Everything ORTModule reads when it is constructed or first exports, for the ORTModules created next.
 
-    ORTModule's fallback manager reads the module global ORTMODULE_FALLBACK_POLICY at construction; the
-    ORTMODULE_FALLBACK_POLICY environment variable only changes what its start-up banner prints. Set both.
+    Applies ortflow's patches (patch_ortmodule) first. opset=None keeps ORTModule's default opset.
     """
+    patch_ortmodule()
+    _set_fallback(fallback_allowed)
+    if opset is None:
+        os.environ.pop("ORTMODULE_ONNX_OPSET_VERSION", None)
+    else:
+        os.environ["ORTMODULE_ONNX_OPSET_VERSION"] = str(opset)
+    _ORTMODULE.update(intra_op_threads=intra_op_threads, allow_spinning=allow_spinning, rewrite_gathers=rewrite_gathers)
+
+
+def _set_fallback(allowed: bool) -> None:
+    """ORTModule's fallback manager reads the module global ORTMODULE_FALLBACK_POLICY at construction; the
+    ORTMODULE_FALLBACK_POLICY environment variable only changes what its start-up banner prints. Set both."""
     from onnxruntime.training import ortmodule
     from onnxruntime.training.ortmodule._fallback import _FallbackPolicy
 

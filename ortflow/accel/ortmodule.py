@@ -6,7 +6,6 @@ so a step that did not execute in ORT stops the run. With `warn` fallbacks are a
 """
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +28,13 @@ def wrap(module: nn.Module, accel: ORTModuleAccelConfig, debug: DebugConfig, onn
     ORTModule must be the innermost wrapper (DDP or DeepSpeed go around it, never inside).
     """
     ensure_built()
-    compat.set_ortmodule_fallback(allowed=accel.fallback == Fallback.warn)
-    # ORTModule reads the opset when it is constructed.
-    if accel.opset is not None:
-        os.environ["ORTMODULE_ONNX_OPSET_VERSION"] = str(accel.opset)
-    else:
-        os.environ.pop("ORTMODULE_ONNX_OPSET_VERSION", None)
-    compat.patch_ortmodule()
-    compat.ORTMODULE_SESSION.update(intra_op_threads=accel.intra_op_threads, allow_spinning=accel.allow_spinning)
-    compat.ORTMODULE_GRAPH.update(rewrite_gathers=accel.rewrite_gathers)
+    compat.configure_ortmodule(
+        fallback_allowed=accel.fallback == Fallback.warn,
+        opset=accel.opset,
+        intra_op_threads=accel.intra_op_threads,
+        allow_spinning=accel.allow_spinning,
+        rewrite_gathers=accel.rewrite_gathers,
+    )
     compat.disable_transformer_fastpath()
     from onnxruntime.training.ortmodule import DebugOptions, LogLevel, ORTModule
 
