@@ -9,7 +9,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-METRICS = ("status", "executed_by", "steps", "train/loss", "eval/loss", "eval/accuracy", "perf/samples_per_sec")
+from ortflow.loop import FINAL_METRICS
+
+METRICS = ("status", "executed_by", "steps", *FINAL_METRICS)
 _ABSENT = "<absent>"
 
 

@@ -4,10 +4,8 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
-
-from torch.utils.data import DataLoader
 
 from ortflow.accel.engine import Engine, EvalResult
 from ortflow.config import OptimConfig, SchedulerConfig, TrainerConfig
@@ -17,14 +15,17 @@ from ortflow.scheduler import lr_at
 
 log = logging.getLogger(__name__)
 
+# The final metrics train_loop returns (run.json "metrics"); a sweep job can return any of them as its objective.
+FINAL_METRICS = ("train/loss", "eval/loss", "eval/accuracy", "perf/samples_per_sec")
 
-def forever(loader: DataLoader) -> Iterator:
-    """Batches from `loader`, epoch after epoch (each epoch reshuffled by the loader's generator)."""
+
+def forever(loader: Iterable) -> Iterator:
+    """Batches from `loader`, epoch after epoch (a DataLoader reshuffles each epoch with its generator)."""
     while True:
         yield from loader
 
 
-def evaluate(engine: Engine, loader: DataLoader, max_batches: int | None) -> dict[str, float]:
+def evaluate(engine: Engine, loader: Iterable, max_batches: int | None) -> dict[str, float]:
     """Mean loss and accuracy over (up to max_batches of) the validation split."""
     total = EvalResult(0.0, 0, 0)
     for inputs, targets in itertools.islice(loader, max_batches):
@@ -34,8 +35,8 @@ def evaluate(engine: Engine, loader: DataLoader, max_batches: int | None) -> dic
 
 def train_loop(
     engine: Engine,
-    train: DataLoader,
-    val: DataLoader,
+    train: Iterable,
+    val: Iterable,
     trainer: TrainerConfig,
     optim: OptimConfig,
     scheduler: SchedulerConfig,

@@ -10,9 +10,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from ortflow.accel.compat import MAX_ARTIFACTS_OPSET
 from ortflow.errors import collect
+from ortflow.loop import FINAL_METRICS
 
 ACCEL_NAMES = ("none", "ortmodule", "artifacts")
-OBJECTIVES = ("eval/loss", "eval/accuracy", "train/loss", "perf/samples_per_sec")
+OBJECTIVES = FINAL_METRICS
 
 
 def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
