@@ -24,7 +24,8 @@ from ortflow.data import Data
 from ortflow.logging import RunLogger
 from ortflow.loop import forever, train_loop
 from ortflow.paths import config_dir
-from ortflow.runner import _build, build_engine, seed_everything
+from ortflow.runner import _build, build_engine
+from ortflow.seeding import seed_everything
 from ortflow.validate import validate
 
 # torch.compile is a reference point, not an accel mode: the eager engine around a compiled model.
@@ -98,7 +99,7 @@ def measure(spec: str, steps: int, warmup: int, overrides: list[str]) -> dict[st
         bare.append(time.perf_counter() - start)
         proxy, logger = Timed(engine), RunLogger(run_dir, cfg.logger, steps)
         start = time.perf_counter()
-        train_loop(proxy, timed, data.val, trainer, cfg.optim, cfg.scheduler, logger)
+        train_loop(proxy, iter(timed), data.val, trainer, cfg.optim, cfg.scheduler, logger)
         loop_s = time.perf_counter() - start - proxy.eval_s
         loop.append(loop_s)
         outside.append((loop_s - proxy.train_s) / proxy.train_s)  # the loop's own time, beside the engine's

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from ortflow.config import register_configs
 from ortflow.errors import OrtflowError
 from ortflow.paths import config_dir
+from ortflow.signals import Preempted
 
 log = logging.getLogger("ortflow")
 register_configs()
@@ -50,6 +51,16 @@ def _main(cfg: DictConfig) -> float:
         return record["metrics"][cfg.objective]
     try:
         metrics = train(cfg, run_dir, overrides)
+    except Preempted as err:
+        # A clean stop (exit status 0) that a scheduler can requeue; a sweep stops here too, resumable as a whole.
+        print(
+            f"ortflow: {err}. Continue with the same command plus trainer.resume=auto"
+            + ("" if sweeping else f" hydra.run.dir={run_dir}")
+            + ".",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(0)
     except OrtflowError as err:
         if os.environ.get("ORTFLOW_TRACEBACK"):
             traceback.print_exc()

@@ -140,6 +140,17 @@ class SchedulerConfig:
     min_lr_ratio: float = 0.1
 
 
+class OnNonFinite(Enum):
+    stop = "stop"  # stop the run, naming the step; the last checkpoint stays the last good state
+    skip = "skip"  # drop that step's update and go on (up to trainer.max_skipped_steps in a row)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # write a full checkpoint every N steps (and always at the end); 0 = only at the end
+    keep: int | None = 3  # how many step checkpoints to keep (oldest deleted first); null = keep all
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 100  # optimizer steps
@@ -148,6 +159,12 @@ class TrainerConfig:
     log_every: int = 10  # steps between TensorBoard/terminal loss points
     grad_clip: float | None = None  # max global gradient norm; null = no clipping
     device: str = "cpu"
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # null: a new run. auto: continue the latest valid checkpoint in this run dir (a fresh start if it has none).
+    # A path: continue from that checkpoint file (any accel mode's checkpoint loads in any other).
+    resume: str | None = None
+    on_nonfinite: OnNonFinite = OnNonFinite.stop  # what a NaN/inf training loss does
+    max_skipped_steps: int = 10  # with on_nonfinite=skip: stop after this many non-finite steps in a row
 
 
 @dataclass

@@ -13,3 +13,12 @@ def collect(problems: list[str], header: str) -> None:
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise OrtflowError(f"{header}\n{lines}")
+
+
+def root_reason(err: BaseException) -> str:
+    """The root cause's last line: ORT embeds whole tracebacks and source locations in its exception messages."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    return last if ": " in last else f"{type(err).__name__}: {last}"

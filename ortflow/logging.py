@@ -26,13 +26,18 @@ class RunLogger:
     """Scalars and text to TensorBoard, every log point to <run dir>/metrics.jsonl and the Python log, and a
     progress bar."""
 
-    def __init__(self, run_dir: Path, cfg: LoggerConfig, total_steps: int) -> None:
+    def __init__(self, run_dir: Path, cfg: LoggerConfig, total_steps: int, start_step: int = 0) -> None:
+        """`start_step`: the step a resumed run continues from. TensorBoard then drops the points an interrupted
+        attempt logged after it (they are superseded); metrics.jsonl keeps every line and marks the resume."""
         self.points = (run_dir / "metrics.jsonl").open("a")
+        if start_step:
+            self.points.write(json.dumps({"resumed_from_step": start_step}) + "\n")
         self.writer = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            purge = start_step + 1 if start_step else None
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
         self.progress: Progress | None = None
         if cfg.progress:
             self.progress = Progress(
@@ -42,7 +47,7 @@ class RunLogger:
                 TextColumn("{task.fields[status]}"),
                 TimeRemainingColumn(),
             )
-            self.task = self.progress.add_task("train", total=total_steps, status="")
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
             self.progress.start()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:

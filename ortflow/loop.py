@@ -1,22 +1,45 @@
-"""The training loop: lr -> train step -> log -> eval, for max_steps. It talks only to an Engine."""
+"""The training loop: lr -> train step -> guard -> log -> eval -> checkpoint, up to max_steps. It talks only to an
+Engine, and keeps its counters in a LoopState that checkpoints save and resumes restore."""
 
 import itertools
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from ortflow.accel.engine import Engine, EvalResult
-from ortflow.config import OptimConfig, SchedulerConfig, TrainerConfig
+from ortflow.config import OnNonFinite, OptimConfig, SchedulerConfig, TrainerConfig
 from ortflow.errors import OrtflowError
 from ortflow.logging import RunLogger
 from ortflow.scheduler import lr_at
+from ortflow.seeding import seed_ort_for_step
+from ortflow.signals import Preempted, stop_on_sigterm
 
 log = logging.getLogger(__name__)
 
 # The final metrics train_loop returns (run.json "metrics"); a sweep job can return any of them as its objective.
 FINAL_METRICS = ("train/loss", "eval/loss", "eval/accuracy", "perf/samples_per_sec")
+
+
+@dataclass
+class LoopState:
+    """Everything the loop counts, so that a resumed run logs and reports as an uninterrupted one would."""
+
+    step: int = 0  # steps done
+    window_loss: float = 0.0  # sum of finite losses since the last log point
+    window_n: int = 0
+    train_time: float = 0.0  # seconds inside train_step, excluding each process's first step (export, sessions)
+    samples: int = 0  # samples in the timed steps
+    first_step_s: float = 0.0
+    skipped_steps: int = 0  # non-finite steps dropped with on_nonfinite=skip
+    skipped_in_a_row: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# Called after a step with the state; writes a checkpoint and returns its path.
+SaveCheckpoint = Callable[[LoopState], str]
 
 
 def forever(loader: Iterable) -> Iterator:
@@ -33,58 +56,98 @@ def evaluate(engine: Engine, loader: Iterable, max_batches: int | None) -> dict[
     return {"eval/loss": total.loss_sum / total.count, "eval/accuracy": total.correct / total.count}
 
 
+def _non_finite(loss: float, step: int, state: LoopState, trainer: TrainerConfig) -> None:
+    """Stop, or count a skipped step. The engine has not applied the step's update either way."""
+    state.skipped_steps += 1
+    state.skipped_in_a_row += 1
+    if trainer.on_nonfinite == OnNonFinite.stop:
+        raise OrtflowError(
+            f"The training loss became {loss} at step {step}; the run stopped there, before applying that step. "
+            "The checkpoints written before it are kept. Lower optim.lr, set trainer.grad_clip (e.g. 1.0) or "
+            "check the data, then continue with trainer.resume=auto; or set trainer.on_nonfinite=skip."
+        )
+    if state.skipped_in_a_row > trainer.max_skipped_steps:
+        raise OrtflowError(
+            f"The training loss was NaN/inf for {state.skipped_in_a_row} steps in a row (up to step {step}), more "
+            f"than trainer.max_skipped_steps={trainer.max_skipped_steps}; the run stopped. Lower optim.lr or set "
+            "trainer.grad_clip."
+        )
+    log.warning("step %d: loss %s, update skipped (%d skipped so far)", step, loss, state.skipped_steps)
+
+
 def train_loop(
     engine: Engine,
-    train: Iterable,
+    batches: Iterator,
     val: Iterable,
     trainer: TrainerConfig,
     optim: OptimConfig,
     scheduler: SchedulerConfig,
     logger: RunLogger,
+    *,
+    state: LoopState | None = None,
+    save: SaveCheckpoint | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Run trainer.max_steps optimizer steps; return the final metrics.
+    """Run optimizer steps from state.step + 1 to trainer.max_steps; return the final metrics.
+
+    Args:
+        batches: endless training batches (positioned where `state` left off when resuming).
+        state: the counters to continue from (a fresh run: None).
+        save: writes a checkpoint; called every trainer.checkpoint.every steps, at the end, and on SIGTERM.
+        seed: the run's seed (ORT's generator is re-seeded from it at every step).
 
     Raises:
         OrtflowError: the loss became NaN or infinite (the message names the step).
+        Preempted: SIGTERM arrived; a checkpoint was written after the current step.
     """
-    batches = forever(train)
-    train_time = 0.0  # seconds inside train_step, excluding the first step (export, session creation)
-    samples = 0
-    first_step_s = 0.0
-    window_loss, window_n = 0.0, 0
-    metrics: dict[str, Any] = {}
-    for step in range(1, trainer.max_steps + 1):
-        lr = lr_at(step - 1, optim.lr, scheduler, trainer.max_steps)
-        engine.set_lr(lr)
-        inputs, targets = next(batches)
-        start = time.perf_counter()
-        loss = engine.train_step(inputs, targets)
-        elapsed = time.perf_counter() - start
-        if not math.isfinite(loss):
-            raise OrtflowError(
-                f"The training loss became {loss} at step {step}. Lower optim.lr, set trainer.grad_clip "
-                "(e.g. 1.0), or check the data."
-            )
-        if step == 1:
-            first_step_s = elapsed
-        else:
-            train_time += elapsed
-            samples += inputs.size(0)
-        window_loss, window_n = window_loss + loss, window_n + 1
+    state = state or LoopState()
+    untimed = state.step + 1  # this process's first step pays for export and session creation
+    every = trainer.checkpoint.every
+    with stop_on_sigterm() as stop:
+        while state.step < trainer.max_steps:
+            step = state.step + 1
+            lr = lr_at(step - 1, optim.lr, scheduler, trainer.max_steps)
+            engine.set_lr(lr)
+            seed_ort_for_step(seed, step)
+            inputs, targets = next(batches)
+            start = time.perf_counter()
+            loss = engine.train_step(inputs, targets)
+            elapsed = time.perf_counter() - start
+            state.step = step
+            if math.isfinite(loss):
+                state.skipped_in_a_row = 0
+                state.window_loss, state.window_n = state.window_loss + loss, state.window_n + 1
+            else:
+                _non_finite(loss, step, state, trainer)
+            if step == untimed:
+                state.first_step_s = elapsed
+            else:
+                state.train_time += elapsed
+                state.samples += inputs.size(0)
 
-        if step % trainer.log_every == 0 or step == trainer.max_steps:
-            metrics["train/loss"] = window_loss / window_n
-            point = {"train/loss": metrics["train/loss"], "train/lr": lr}
-            if train_time > 0:
-                point["perf/samples_per_sec"] = samples / train_time
-            logger.scalars(step, point)
-            window_loss, window_n = 0.0, 0
-        if (trainer.eval_every and step % trainer.eval_every == 0) or step == trainer.max_steps:
-            metrics.update(evaluate(engine, val, trainer.eval_batches))
-            logger.scalars(step, {k: metrics[k] for k in ("eval/loss", "eval/accuracy")})
-        logger.advance(f"loss {loss:.3f}")
+            if step % trainer.log_every == 0 or step == trainer.max_steps:
+                point = {"train/lr": lr}
+                if state.window_n:
+                    state.metrics["train/loss"] = state.window_loss / state.window_n
+                    point["train/loss"] = state.metrics["train/loss"]
+                if state.train_time > 0:
+                    point["perf/samples_per_sec"] = state.samples / state.train_time
+                if state.skipped_steps:
+                    point["train/skipped_steps"] = state.skipped_steps
+                logger.scalars(step, point)
+                state.window_loss, state.window_n = 0.0, 0
+            if (trainer.eval_every and step % trainer.eval_every == 0) or step == trainer.max_steps:
+                state.metrics.update(evaluate(engine, val, trainer.eval_batches))
+                logger.scalars(step, {k: state.metrics[k] for k in ("eval/loss", "eval/accuracy")})
+            logger.advance(f"loss {loss:.3f}")
+            if save is not None and ((every and step % every == 0) or step == trainer.max_steps or stop.requested):
+                path = save(state)
+                if stop.requested and step < trainer.max_steps:
+                    raise Preempted(step, path)
 
-    metrics["perf/samples_per_sec"] = samples / train_time if train_time > 0 else float("nan")
-    metrics["perf/first_step_s"] = first_step_s
+    metrics: dict[str, Any] = {"train/loss": float("nan"), **state.metrics}  # nan: every step was skipped
+    metrics["perf/samples_per_sec"] = state.samples / state.train_time if state.train_time > 0 else float("nan")
+    metrics["perf/first_step_s"] = state.first_step_s
     metrics["steps"] = trainer.max_steps
+    metrics["skipped_steps"] = state.skipped_steps
     return metrics

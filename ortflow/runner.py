@@ -1,37 +1,31 @@
 """train(cfg): validate -> seed -> build data, model, engine -> loop -> write results. Nothing accel-specific
 lives here beyond picking the engine builder by name."""
 
+import json
 import logging
-import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from ortflow import checkpoint, resume
 from ortflow.accel.engine import Engine
 from ortflow.data import Data
+from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError
 from ortflow.logging import RunLogger, write_json_atomic
 from ortflow.loop import train_loop
 from ortflow.metadata import now, start_record
+from ortflow.resume import Checkpointer
+from ortflow.rundir import set_aside_previous_attempt
+from ortflow.seeding import seed_everything
+from ortflow.signals import Preempted
 from ortflow.validate import validate
 
 log = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy, torch and ORT's own generator (dropout inside ORT graphs)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    from onnxruntime.capi import _pybind_state
-
-    _pybind_state.set_seed(seed)
 
 
 def _build(group: str, node: DictConfig) -> Any:
@@ -83,46 +77,50 @@ def _config_dict(cfg: DictConfig) -> dict[str, Any]:
         return OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
 
 
-# What a run writes into its dir, besides Hydra's own .hydra/ and log file.
-RUN_OUTPUTS = ("run.json", "metrics.jsonl", "tensorboard", "checkpoints", "onnx")
+def _read_record(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
-def set_aside_previous_attempt(run_dir: Path) -> None:
-    """A sweep job re-run in its old dir (after an interrupted sweep) keeps the earlier attempt's files, moved to
-    previous-attempt-N/, so that nothing is lost and the new attempt's logs do not mix with the old."""
-    if not (run_dir / "run.json").exists():
-        return
-    n = 1 + sum(1 for _ in run_dir.glob("previous-attempt-*"))
-    target = run_dir / f"previous-attempt-{n}"
-    target.mkdir()
-    for name in RUN_OUTPUTS:
-        if (run_dir / name).exists():
-            (run_dir / name).rename(target / name)
-    log.info("an earlier attempt's outputs in %s were moved to %s", run_dir, target)
+def _history(previous: dict[str, Any]) -> list[dict[str, Any]]:
+    """Earlier attempts in this run dir, oldest first, each as its status, times, error and metrics."""
+    keep = ("started", "finished", "status", "error", "command", "metrics", "resumed_from")
+    return [*previous.get("attempts", []), {k: previous[k] for k in keep if k in previous}]
 
 
 def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """Train as `cfg` says, writing everything under `run_dir`; return the final metrics.
 
-    run.json records the run from its start (status "running") to its end ("completed" or "failed").
+    run.json records the run from its start (status "running") to its end ("completed", "failed" or
+    "preempted"); a resumed run keeps the earlier attempts' records under "attempts".
 
     Raises:
-        OrtflowError: a problem in the config, data or model the user can fix.
+        OrtflowError: a problem in the config, data, model or checkpoint the user can fix.
+        Preempted: SIGTERM stopped the run after writing a checkpoint.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    set_aside_previous_attempt(run_dir)
     overrides = list(overrides or [])
     record = start_record(_config_dict(cfg), overrides, cfg.seed)
-    write_json_atomic(run_dir / "run.json", record)
+    if previous := _read_record(run_dir):
+        record["attempts"] = _history(previous)
     try:
         validate(cfg)
-        metrics, execution, data_info = _train(cfg, run_dir, hparams_from(overrides, cfg))
+        source = resume.find(cfg.trainer.resume, run_dir / "checkpoints")
+        if source is None and previous:
+            set_aside_previous_attempt(run_dir)
+            record.pop("attempts")  # moved along with the earlier run.json
+        write_json_atomic(run_dir / "run.json", record)
+        metrics, results = _train(cfg, run_dir, hparams_from(overrides, cfg), source)
     except BaseException as err:
-        record |= {"status": "failed", "finished": now(), "error": f"{type(err).__name__}: {err}"}
+        status = "preempted" if isinstance(err, Preempted) else "failed"
+        record |= {"status": status, "finished": now(), "error": f"{type(err).__name__}: {err}"}
         write_json_atomic(run_dir / "run.json", record)
         raise
-    record |= {"status": "completed", "finished": now(), "engine": execution, "metrics": metrics, "data": data_info}
+    record |= {"status": "completed", "finished": now(), "metrics": metrics, **results}
     write_json_atomic(run_dir / "run.json", record)
+    execution = results["engine"]
     log.info(
         "done: train loss %.4f, eval loss %.4f, eval accuracy %.4f, %.1f samples/s, executed by %s. Run dir: %s",
         metrics["train/loss"],
@@ -135,16 +133,50 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     return {**metrics, "executed_by": execution["executed_by"], "run_dir": str(run_dir)}
 
 
-def _train(cfg: DictConfig, run_dir: Path, hparams: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict]:
+def _train(
+    cfg: DictConfig, run_dir: Path, hparams: dict[str, Any], source: tuple[Path, dict[str, Any]] | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     seed_everything(cfg.seed)
     data: Data = _build("data", cfg.data)
     model: nn.Module = _build("model", cfg.model)
+    config = _config_dict(cfg)
+    results: dict[str, Any] = {"data": data.info}
+    if source is not None:
+        path, payload = source
+        resume.load_weights(model, payload, path, cfg.trainer.max_steps)
     engine = build_engine(cfg, model, data, run_dir)
-    logger = RunLogger(run_dir, cfg.logger, cfg.trainer.max_steps)
+    batches = ResumableBatches(data.train)
+    state = None
+    if source is not None:
+        state, restored = resume.restore(engine, batches, payload, path)
+        changes = resume.config_differences(payload["config"], config)
+        if changes:
+            log.warning("settings that differ from the checkpoint's: %s", "; ".join(changes))
+        results["resumed_from"] = {
+            "checkpoint": str(path),
+            "step": state.step,
+            "written_by_accel": payload["accel"],
+            "optimizer_restored": restored,
+            "config_changes": changes,
+        }
+    logger = RunLogger(run_dir, cfg.logger, cfg.trainer.max_steps, start_step=state.step if state else 0)
     logger.text("config", OmegaConf.to_yaml(cfg, resolve=True))
     logger.text("data", "\n".join(f"{k}: {v}" for k, v in data.info.items()))
+    checkpoints = run_dir / "checkpoints"
+    save = Checkpointer(checkpoints, cfg.trainer.checkpoint.keep, engine, batches, cfg.accel.name, config)
     try:
-        metrics = train_loop(engine, data.train, data.val, cfg.trainer, cfg.optim, cfg.scheduler, logger)
+        metrics = train_loop(
+            engine,
+            batches,
+            data.val,
+            cfg.trainer,
+            cfg.optim,
+            cfg.scheduler,
+            logger,
+            state=state,
+            save=save,
+            seed=cfg.seed,
+        )
         execution = engine.describe()
         # 1 when ONNX Runtime executed every training step, 0 otherwise: plotted beside the loss.
         ort_executed = float(execution["executed_by"] == "onnxruntime")
@@ -153,9 +185,7 @@ def _train(cfg: DictConfig, run_dir: Path, hparams: dict[str, Any]) -> tuple[dic
         logger.hparams(hparams, {k: v for k, v in metrics.items() if isinstance(v, float)})
     finally:
         logger.close()
-    checkpoint = run_dir / "checkpoints" / "final.pt"
-    checkpoint.parent.mkdir(exist_ok=True)
-    tmp = checkpoint.with_suffix(".tmp")
-    torch.save(engine.model_state_dict(), tmp)
-    tmp.replace(checkpoint)
-    return metrics, execution, data.info
+    # The final weights alone, loadable with torch.load + model.load_state_dict (no ortflow needed).
+    checkpoint.write_atomic(engine.model_state_dict(), checkpoints / "final.pt")
+    results["engine"] = execution
+    return metrics, results

@@ -73,6 +73,14 @@ def problems(cfg: DictConfig) -> list[str]:
         found.append(f"trainer.eval_batches={trainer.eval_batches} must be >= 1, or null for all.")
     if trainer.grad_clip is not None and trainer.grad_clip <= 0:
         found.append(f"trainer.grad_clip={trainer.grad_clip} must be > 0, or null for no clipping.")
+    if trainer.checkpoint.every < 0:
+        found.append(f"trainer.checkpoint.every={trainer.checkpoint.every} must be >= 0 (0 = only at the end).")
+    if trainer.checkpoint.keep is not None and trainer.checkpoint.keep < 1:
+        found.append(f"trainer.checkpoint.keep={trainer.checkpoint.keep} must be >= 1, or null to keep all.")
+    if trainer.max_skipped_steps < 0:
+        found.append(f"trainer.max_skipped_steps={trainer.max_skipped_steps} must be >= 0.")
+    if trainer.resume is not None and not trainer.resume.strip():
+        found.append("trainer.resume is empty; use trainer.resume=auto, a checkpoint path, or leave it out.")
     if trainer.device != "cpu":
         found.append(
             f"trainer.device={trainer.device}: this build of ortflow (onnxruntime-training-cpu) trains on cpu only."

@@ -6,6 +6,7 @@ original parameter names.
 """
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 from ortflow.accel import compat
 from ortflow.accel.engine import IGNORE_INDEX, EvalResult, eval_sums, pad_batch
 from ortflow.config import ArtifactsAccelConfig, OptimConfig, OptimName
+from ortflow.errors import OrtflowError, root_reason
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ class ArtifactsEngine:
             example_inputs: one training batch of inputs; its shape is the shape ORT trains on.
         """
         import onnxruntime
-        from onnxruntime.training import api, artifacts, onnxblock
+        from onnxruntime.training import artifacts, onnxblock
 
         onnxruntime.set_default_logger_severity(3)  # ORT's graph-transformer chatter is INFO; keep errors only
 
@@ -90,20 +92,27 @@ class ArtifactsEngine:
                 artifact_directory=onnx_dir,
                 additional_output_names=["logits"],
             )
-        self.state = api.CheckpointState.load_checkpoint(str(onnx_dir / "checkpoint"))
-        options = onnxruntime.SessionOptions()
-        compat.apply_session_settings(options, accel.intra_op_threads, accel.allow_spinning)
-        self.module = api.Module(
-            str(onnx_dir / "training_model.onnx"),
-            self.state,
-            str(onnx_dir / "eval_model.onnx"),
-            session_options=options,
-        )
-        self.optimizer = api.Optimizer(str(onnx_dir / "optimizer_model.onnx"), self.module)
-        self.optimizer.set_learning_rate(optim.lr)
+        self.onnx_dir = onnx_dir
+        self.options = onnxruntime.SessionOptions()
+        compat.apply_session_settings(self.options, accel.intra_op_threads, accel.allow_spinning)
+        self._open(onnx_dir / "checkpoint", optim.lr)
         self.steps = 0
         self.evals = 0
         log.info("artifacts in %s; ORT trains %d parameter tensors", onnx_dir, len(params))
+
+    def _open(self, checkpoint: Path, lr: float) -> None:
+        """Training session, eval session and optimizer over the ORT checkpoint file `checkpoint`."""
+        from onnxruntime.training import api
+
+        self.state = api.CheckpointState.load_checkpoint(str(checkpoint))
+        self.module = api.Module(
+            str(self.onnx_dir / "training_model.onnx"),
+            self.state,
+            str(self.onnx_dir / "eval_model.onnx"),
+            session_options=self.options,
+        )
+        self.optimizer = api.Optimizer(str(self.onnx_dir / "optimizer_model.onnx"), self.module)
+        self.optimizer.set_learning_rate(lr)
 
     @staticmethod
     def _feeds(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -113,9 +122,10 @@ class ArtifactsEngine:
         inputs, targets = pad_batch(inputs, targets, self.batch_size)
         self.module.train()
         loss, _ = self.module(*self._feeds(inputs, targets))
-        self.optimizer.step()
-        self.module.lazy_reset_grad()
-        self.steps += 1
+        if math.isfinite(float(loss)):
+            self.optimizer.step()
+            self.steps += 1
+        self.module.lazy_reset_grad()  # a non-finite loss: its gradients are dropped, the weights stay
         return float(loss)
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
@@ -134,6 +144,31 @@ class ArtifactsEngine:
         for name in dict(self.model.named_parameters()):
             weights[name] = torch.from_numpy(np.array(self.state.parameters[_PREFIX + name].data))
         return weights
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """ORT's CheckpointState with the optimizer's moments and step count, as the bytes of ORT's own file."""
+        from onnxruntime.training import api
+
+        tmp = self.onnx_dir / "checkpoint.saving"
+        api.CheckpointState.save_checkpoint(self.state, str(tmp), include_optimizer_state=True)
+        try:
+            return {"format": "onnxruntime", "checkpoint": tmp.read_bytes(), "lr": self.optimizer.get_learning_rate()}
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> bool:
+        if state.get("format") != "onnxruntime":
+            return False
+        resumed = self.onnx_dir / "checkpoint.resumed"
+        resumed.write_bytes(state["checkpoint"])
+        try:
+            self._open(resumed, state["lr"])
+        except RuntimeError as err:
+            raise OrtflowError(
+                f"the ONNX Runtime state inside the checkpoint cannot be loaded ({root_reason(err)}); the "
+                "checkpoint is corrupt or was written for another model. Use another checkpoint."
+            ) from None
+        return True
 
     def describe(self) -> dict[str, Any]:
         return {

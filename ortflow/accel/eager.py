@@ -1,6 +1,7 @@
 """Torch autograd + torch.optim: the `none` engine, and the optimizer half of the `ortmodule` engine."""
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -50,12 +51,15 @@ class EagerEngine:
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         self.module.train()
         loss = self.module(inputs, targets)
+        value = loss.item()
+        if not math.isfinite(value):
+            return value  # no backward, no update: the weights stay the last good ones
         loss.backward()
         if self.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return value
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
@@ -69,6 +73,15 @@ class EagerEngine:
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return {"format": "torch", "state": self.optimizer.state_dict()}
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> bool:
+        if state.get("format") != "torch":
+            return False
+        self.optimizer.load_state_dict(state["state"])
+        return True
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.name, "executed_by": "pytorch"}

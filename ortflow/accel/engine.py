@@ -29,7 +29,9 @@ class Engine(Protocol):
     name: str
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """Forward, backward and optimizer step on one batch; returns the batch's mean loss."""
+        """Forward, backward and optimizer step on one batch; returns the batch's mean loss.
+
+        A NaN or infinite loss leaves the weights and the optimizer untouched (the step is not applied)."""
         ...
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
@@ -40,6 +42,15 @@ class Engine(Protocol):
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights under the torch model's own state_dict names."""
+        ...
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state as this engine keeps it, tagged {"format": "torch" | "onnxruntime", ...}."""
+        ...
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> bool:
+        """Restore a state from optimizer_state(); False if it is the other runtime's format (the optimizer then
+        starts fresh: torch.optim and ORT's optimizer graphs keep their moments in forms that do not convert)."""
         ...
 
     def describe(self) -> dict[str, Any]:

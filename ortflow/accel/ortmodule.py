@@ -6,6 +6,7 @@ so a step that did not execute in ORT stops the run. With `warn` fallbacks are a
 """
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from ortflow.accel.eager import EagerEngine
 from ortflow.accel.engine import EvalResult, WithLoss, pad_batch
 from ortflow.accel.extensions import ensure_built
 from ortflow.config import DebugConfig, Fallback, OptimConfig, ORTModuleAccelConfig
-from ortflow.errors import OrtflowError
+from ortflow.errors import OrtflowError, root_reason
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +52,6 @@ def wrap(module: nn.Module, accel: ORTModuleAccelConfig, debug: DebugConfig, onn
     return ORTModule(module, options)
 
 
-def _reason(err: BaseException) -> str:
-    """The root cause's last line: ORT embeds whole tracebacks in its exception messages."""
-    while err.__cause__ is not None:
-        err = err.__cause__
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    last = lines[-1] if lines else ""
-    return last if ": " in last else f"{type(err).__name__}: {last}"
-
-
 class ORTModuleEngine:
     """ORTModule-wrapped model + loss, stepped by torch.optim (through an EagerEngine)."""
 
@@ -91,7 +83,7 @@ class ORTModuleEngine:
             return step(inputs, targets)
         except ORTModuleFallbackException as err:
             raise OrtflowError(
-                f"ORTModule cannot run this model in ONNX Runtime ({_reason(err)}). "
+                f"ORTModule cannot run this model in ONNX Runtime ({root_reason(err)}). "
                 "Set accel.fallback=warn to let PyTorch run it instead (recorded as executed_by=pytorch), "
                 "or use accel=none."
             ) from err
@@ -111,6 +103,8 @@ class ORTModuleEngine:
         inputs, targets = pad_batch(inputs, targets, self.batch_size)
         before = compat.ORT_RUNS.snapshot()
         loss = self._run(self.inner.train_step, inputs, targets)
+        if not math.isfinite(loss):
+            return loss  # forward only (no backward ran); the loop decides whether to stop or skip
         after = compat.ORT_RUNS.snapshot()
         # Proof, not absence of an error: ORT's own training session ran both the forward and the backward.
         if after[0] > before[0] and after[1] > before[1]:
@@ -137,6 +131,12 @@ class ORTModuleEngine:
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         return self.inner.model_state_dict()
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.inner.optimizer_state()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> bool:
+        return self.inner.load_optimizer_state(state)
 
     def describe(self) -> dict[str, Any]:
         executed = "onnxruntime" if self.torch_steps == 0 and self.ort_steps > 0 else "pytorch"

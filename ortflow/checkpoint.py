@@ -1,0 +1,159 @@
+"""Full training checkpoints: one file per checkpoint, written atomically, kept to a retention limit, and
+validated on load so that a truncated, corrupt or foreign file is named in a clear error.
+
+A checkpoint holds everything a run needs to continue as if never stopped: the model weights under the torch
+model's own names (so any accel mode loads any other's), the optimizer state in the form its engine keeps it
+(torch.optim's state_dict, or ONNX Runtime's CheckpointState with its optimizer state), the RNG states, the data
+position, the loop's counters, and the resolved config it was written with.
+"""
+
+import logging
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ortflow.errors import OrtflowError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "ortflow-checkpoint"
+VERSION = 1
+REQUIRED = ("format", "version", "step", "accel", "model", "optimizer", "rng", "data", "loop", "config")
+_NAME = re.compile(r"^step-(\d+)\.pt$")
+
+
+def step_path(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:08d}.pt"
+
+
+def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the step checkpoints in `directory`, newest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def write_atomic(payload: dict[str, Any], path: Path) -> None:
+    """torch.save through a temporary file in the same directory, fsync, then rename: the final name only ever
+    holds a complete file, whatever kills the process."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as file:
+            torch.save(payload, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def remove_partial_writes(directory: Path) -> None:
+    """Delete temporary files a killed process left behind (never complete, never under a final name)."""
+    for tmp in directory.glob(".*.tmp-*") if directory.is_dir() else []:
+        log.info("removing %s, a checkpoint write that never completed", tmp)
+        tmp.unlink(missing_ok=True)
+
+
+def prune(directory: Path, keep: int | None) -> None:
+    """Keep the newest `keep` step checkpoints (None: all)."""
+    if keep is None:
+        return
+    for _, path in step_checkpoints(directory)[keep:]:
+        path.unlink(missing_ok=True)
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Read and check an ortflow checkpoint.
+
+    Raises:
+        OrtflowError: the file is missing, unreadable, truncated or corrupt, or not an ortflow checkpoint.
+    """
+    if not path.exists():
+        raise OrtflowError(
+            f"checkpoint '{path}' does not exist. Give an existing checkpoint file or trainer.resume=auto."
+        )
+    if not path.is_file():
+        raise OrtflowError(f"checkpoint '{path}' is not a file (a checkpoint is one file, e.g. checkpoints/step-*.pt).")
+    try:
+        # weights_only: a checkpoint is data; loading one never runs code from the file.
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OrtflowError(
+            f"checkpoint '{path}' cannot be read: it is truncated, corrupt or not a torch checkpoint file ({reason}). "
+            "Use another checkpoint (trainer.resume=auto picks the newest valid one in the run dir)."
+        ) from None
+    if isinstance(payload, dict) and payload.get("format") == FORMAT:
+        if not isinstance(payload.get("version"), int) or payload["version"] > VERSION:
+            raise OrtflowError(
+                f"checkpoint '{path}' has format version {payload.get('version')!r}; this ortflow reads version "
+                f"{VERSION} and older. Use the ortflow version that wrote it."
+            )
+        missing = [key for key in REQUIRED if key not in payload]
+        if missing:
+            raise OrtflowError(f"checkpoint '{path}' is incomplete: it lacks {missing}. Use another checkpoint.")
+        return payload
+    if isinstance(payload, dict) and payload and all(isinstance(v, torch.Tensor) for v in payload.values()):
+        raise OrtflowError(
+            f"checkpoint '{path}' holds model weights only (like checkpoints/final.pt), not a training checkpoint "
+            "with optimizer, RNG and data position. Resume from a checkpoints/step-*.pt file."
+        )
+    raise OrtflowError(f"checkpoint '{path}' is not an ortflow checkpoint (it holds a {type(payload).__name__}).")
+
+
+def latest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in `directory` that loads; None if there is none at all.
+
+    Raises:
+        OrtflowError: there are checkpoints, but none of them is valid (each one is named with its problem).
+    """
+    problems = []
+    for _, path in step_checkpoints(directory):
+        try:
+            return path, load(path)
+        except OrtflowError as err:
+            log.warning("skipping %s: %s", path, err)
+            problems.append(str(err))
+    if problems:
+        raise OrtflowError(
+            f"trainer.resume=auto: no checkpoint in '{directory}' is valid, so there is nothing safe to continue "
+            f"from: {' '.join(problems)}"
+        )
+    return None
+
+
+# ------------------------------------------------------------------------------------------------- RNG state
+def rng_state() -> dict[str, Any]:
+    """Python, numpy and torch generator states, as plain data (a checkpoint loads with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": pos,
+            "gauss": (has_gauss, gauss),
+        },
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    keys = np_state["keys"].numpy().astype(np.uint32)
+    np.random.set_state((np_state["kind"], keys, np_state["pos"], *np_state["gauss"]))
+    torch.set_rng_state(state["torch"])
