@@ -7,6 +7,7 @@ model's own names (so any accel mode loads any other's), the optimizer state in 
 position, the loop's counters, and the resolved config it was written with.
 """
 
+import hashlib
 import logging
 import os
 import random
@@ -37,6 +38,35 @@ def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
     return sorted(found, reverse=True)
+
+
+def digest(tree: Any) -> str:
+    """sha256 over a payload's content: every tensor's dtype, shape and bytes, every other value's repr.
+
+    torch.load does not check the zip CRCs, so a flipped bit inside a tensor loads silently; this catches it."""
+    h = hashlib.sha256()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, torch.Tensor):
+            flat = node.detach().reshape(-1).contiguous()
+            h.update(f"T{flat.dtype}{tuple(node.shape)}".encode())
+            h.update(flat.view(torch.uint8).numpy().tobytes())
+        elif isinstance(node, dict):
+            for key in sorted(node, key=repr):
+                h.update(repr(key).encode())
+                walk(node[key])
+        elif isinstance(node, list | tuple):
+            h.update(b"[")
+            for item in node:
+                walk(item)
+            h.update(b"]")
+        elif isinstance(node, bytes):
+            h.update(b"B%d:" % len(node) + node)
+        else:
+            h.update(repr(node).encode())
+
+    walk(tree)
+    return h.hexdigest()
 
 
 def write_atomic(payload: dict[str, Any], path: Path) -> None:
@@ -104,6 +134,12 @@ def load(path: Path) -> dict[str, Any]:
         missing = [key for key in REQUIRED if key not in payload]
         if missing:
             raise OrtflowError(f"checkpoint '{path}' is incomplete: it lacks {missing}. Use another checkpoint.")
+        content = {k: v for k, v in payload.items() if k != "digest"}
+        if payload.get("digest") != digest(content):
+            raise OrtflowError(
+                f"checkpoint '{path}' is corrupt: its content does not match the checksum written with it (the file "
+                "changed after it was written). Use another checkpoint (trainer.resume=auto picks the newest valid)."
+            )
         return payload
     if isinstance(payload, dict) and payload and all(isinstance(v, torch.Tensor) for v in payload.values()):
         raise OrtflowError(

@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from ortflow import preflight
 from ortflow.config import register_configs
 from ortflow.errors import OrtflowError
 from ortflow.paths import config_dir
@@ -78,6 +79,11 @@ def _main(cfg: DictConfig) -> float:
 
 
 def main() -> None:
+    try:
+        preflight.check(sys.argv[1:])
+    except OrtflowError as err:
+        print(f"ortflow: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
     _main()
 
 

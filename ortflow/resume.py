@@ -116,6 +116,7 @@ class Checkpointer:
             "loop": dataclasses.asdict(state),
             "config": self.config,
         }
+        payload["digest"] = checkpoint.digest(payload)
         path = checkpoint.step_path(self.directory, state.step)
         checkpoint.write_atomic(payload, path)
         checkpoint.prune(self.directory, self.keep)

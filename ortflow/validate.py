@@ -7,6 +7,7 @@ involve several groups (accel x optim x debug x trainer x data).
 import dataclasses
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from ortflow.accel.compat import MAX_ARTIFACTS_OPSET
 from ortflow.errors import collect
@@ -35,6 +36,13 @@ def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
 
 def problems(cfg: DictConfig) -> list[str]:
     """Every cross-field problem in `cfg`, as messages naming the key to change."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except MissingMandatoryValue:
+        pass  # reported below, with every other ??? key
+    except OmegaConfBaseException as err:
+        reason = str(err).splitlines()[0]
+        return [f"{err.full_key or 'the config'}: a value cannot be resolved ({reason}); fix or remove it."]
     found = unknown_keys(cfg)
     found += [
         f"{key} is required (it is ???); set it, e.g. {key}=<value>." for key in sorted(OmegaConf.missing_keys(cfg))
@@ -98,6 +106,14 @@ def problems(cfg: DictConfig) -> list[str]:
     if "block_size" in data and data.block_size < 1:
         found.append(f"data.block_size={data.block_size} must be >= 1.")
     is_text = "_target_" in data and data._target_.endswith("build_text_data")
+    model_target = cfg.model.get("_target_", "")
+    if is_text and model_target == "ortflow.models.mlp.build_mlp":
+        found.append(
+            "model=mlp takes 64 float features per sample (data=digits), but data=text gives token ids; use "
+            "model=transformer with data=text, or data=digits with model=mlp."
+        )
+    if model_target.endswith("build_transformer") and cfg.model.d_model % cfg.model.nhead:
+        found.append(f"model.nhead={cfg.model.nhead} must divide model.d_model={cfg.model.d_model}.")
     if is_text and "vocab_size" in cfg.model and cfg.model.vocab_size < 256:
         found.append(f"model.vocab_size={cfg.model.vocab_size}: byte-level text data needs vocab_size >= 256.")
     return found

@@ -1,6 +1,7 @@
 """Loss parity eager vs ortmodule vs artifacts, proof that ORT executed, padding, the artifacts round trip."""
 
 import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from ortflow.accel.ortmodule import ORTModuleEngine
 from ortflow.config import ArtifactsAccelConfig, DebugConfig, OptimConfig, ORTModuleAccelConfig
 from ortflow.data.text import build_text_data
 from ortflow.loop import evaluate
+from ortflow.models.mlp import build_mlp
 from ortflow.models.transformer import build_transformer
 
 STEPS = 10
@@ -44,8 +46,8 @@ def batches(data):
     return list(itertools.islice(iter(data.train), STEPS))
 
 
-def make_engine(kind: str, dropout: float, example, tmp: Path):
-    model = tiny_model(dropout)
+def make_engine(kind: str, dropout: float, example, tmp: Path, model: torch.nn.Module | None = None):
+    model = model if model is not None else tiny_model(dropout)
     if kind == "eager":
         return EagerEngine.from_model(model, optim, None)
     if kind == "ortmodule":
@@ -134,19 +136,46 @@ def test_ortmodule_fallback_fail_stops_and_warn_records_pytorch(tmp_path, batche
 
 
 @pytest.mark.slow
-def test_artifacts_weights_round_trip_into_the_torch_model(batches, tmp_path):
-    engine = make_engine("artifacts", 0.1, batches[0][0], tmp_path)
-    losses(engine, batches[:5])
-    weights = engine.model_state_dict()
+@pytest.mark.parametrize(
+    ("source", "target"), [("eager", "ortmodule"), ("ortmodule", "artifacts"), ("artifacts", "eager")]
+)
+def test_trained_weights_carry_over_between_engines_by_torch_names(source, target, batches, tmp_path):
+    """What checkpoint conversion rests on: any engine's weights, loaded into the torch model, give another engine
+    the same model; the optimizer state carries over only between the two torch.optim engines."""
+    first = make_engine(source, 0.1, batches[0][0], tmp_path / "a")
+    losses(first, batches[:5])
+    weights = first.model_state_dict()
     fresh = tiny_model(0.1)
     assert set(weights) == set(fresh.state_dict())
     assert not torch.equal(weights["fc.weight"], fresh.state_dict()["fc.weight"])  # training changed them
     fresh.load_state_dict(weights, strict=True)
+    second = make_engine(target, 0.1, batches[0][0], tmp_path / "b", model=fresh)
     x, y = batches[5]
-    expected = engine.eval_step(x, y)
-    got = EagerEngine.from_model(fresh, optim, None).eval_step(x, y)
+    expected, got = first.eval_step(x, y), second.eval_step(x, y)
     assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-5)
     assert got.correct == expected.correct
+    same_runtime = {source, target} <= {"eager", "ortmodule"}
+    assert second.load_optimizer_state(first.optimizer_state()) == same_runtime
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eager", "ortmodule", "artifacts"])
+def test_a_non_finite_loss_leaves_weights_and_optimizer_untouched(kind, tmp_path):
+    torch.manual_seed(0)
+    model = build_mlp(in_features=64, num_classes=10, hidden=[16])
+    x, y = torch.rand(8, 64), torch.randint(0, 10, (8,))
+    engine = make_engine(kind, 0.0, x, tmp_path, model=model)
+    engine.train_step(x, y)
+    before = engine.model_state_dict()
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    assert math.isnan(engine.train_step(bad, y))
+    after = engine.model_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.train_step(x, y)  # training goes on, still in ORT for the ORT engines
+    assert not torch.equal(before["1.weight"], engine.model_state_dict()["1.weight"])
+    if kind != "eager":
+        assert engine.describe()["executed_by"] == "onnxruntime" and engine.describe()["ort_train_steps"] == 2
 
 
 def test_padding_a_short_batch_leaves_the_loss_unchanged():

@@ -11,3 +11,26 @@ def build_model(vocab_size: int, d_model: int, **_ignored) -> nn.Module:
 def build_bigram(vocab_size: int, width: int) -> nn.Module:
     """Used with model=custom, whose keys are whatever the user adds."""
     return nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))
+
+
+class NaNAtStep(nn.Module):
+    """A byte-level bigram model whose training loss turns NaN on the listed training forward calls (1-based)."""
+
+    def __init__(self, vocab_size: int, width: int, nan_steps: list[int]) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))
+        self.nan_steps = set(nan_steps)
+        self.calls = 0
+
+    def forward(self, inputs):
+        logits = self.net(inputs)
+        if self.training:
+            self.calls += 1
+            if self.calls in self.nan_steps:
+                return logits * float("nan")
+        return logits
+
+
+def build_nan_at_step(vocab_size: int, width: int, nan_steps: list[int]) -> nn.Module:
+    """Used with model=custom: `+model.nan_steps=[5]` makes step 5's loss NaN (eager only)."""
+    return NaNAtStep(vocab_size, width, nan_steps)

@@ -1,0 +1,60 @@
+"""Check the YAML files a command line selects before Hydra reads them.
+
+Hydra reports a YAML syntax error (a tab, an unclosed bracket, a duplicate key) as a long internal traceback, and a
+recipe without its `# @package _global_` header as an unknown `recipe` key. This pre-flight finds the file each
+`group=option` override selects, in the search path the command line sets, and reports such problems as one
+paragraph naming the file and line.
+"""
+
+import re
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from ortflow.errors import OrtflowError
+from ortflow.paths import config_dir
+
+_OVERRIDE = re.compile(r"^[+~]{0,2}(?P<group>[A-Za-z_][\w/]*)=(?P<option>[\w.-]+)$")
+
+
+def _search_dirs(args: list[str]) -> list[Path]:
+    dirs = [config_dir()]
+    for i, arg in enumerate(args):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(args):
+            dirs.append(Path(args[i + 1]))
+        elif arg.startswith("--config-dir="):
+            dirs.append(Path(arg.partition("=")[2]))
+        elif arg.startswith("hydra.searchpath="):
+            dirs += [Path(m) for m in re.findall(r"file://([^,\]\s'\"]+)", arg)]
+    return dirs
+
+
+def check(args: list[str]) -> None:
+    """Raise OrtflowError for the first selected config file that is not valid YAML (or a headerless recipe)."""
+    dirs = _search_dirs(args)
+    for arg in args:
+        match = _OVERRIDE.match(arg)
+        if not match or match["group"].startswith("hydra"):
+            continue
+        for directory in dirs:
+            file = directory / match["group"] / f"{match['option']}.yaml"
+            if file.is_file():
+                _check_file(file, match["group"])
+                break
+
+
+def _check_file(file: Path, group: str) -> None:
+    try:
+        OmegaConf.load(file)
+    except Exception as err:  # yaml's scanner/parser/constructor errors, OmegaConf's duplicate keys
+        problem = " ".join(line.strip() for line in str(err).splitlines() if line.strip() and str(file) not in line)
+        where = re.search(r"line (\d+), column (\d+)", str(err))
+        at = f" at line {where[1]}, column {where[2]}" if where else ""
+        raise OrtflowError(
+            f"{group} file '{file}' is not valid YAML{at}: {problem}. Fix the file and run again."
+        ) from None
+    if group == "recipe" and "@package _global_" not in file.read_text().split("\n", 1)[0]:
+        raise OrtflowError(
+            f"recipe file '{file}' must start with the line '# @package _global_' (a recipe overrides the whole "
+            "config; without the header its keys would land under `recipe.`). Add it as the first line."
+        )

@@ -1,0 +1,205 @@
+"""Checkpoints and resume: kill -9 at a random step then resume equals an uninterrupted run; SIGTERM checkpoints and
+exits cleanly; checkpoints convert between accel modes; NaN guards; a run dir is never written over."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ortflow import checkpoint
+from tests.conftest import REPO, TINY, run_cli
+
+# Long enough (hundreds of steps) to be killed mid-run, small enough to take seconds per run.
+LONG = [
+    *TINY[:4],
+    *TINY[4:6],
+    "trainer.max_steps=400",
+    "trainer.eval_every=100",
+    "trainer.eval_batches=2",
+    "trainer.log_every=10",
+    "trainer.checkpoint.every=10",
+    "trainer.checkpoint.keep=3",
+    "scheduler=cosine",
+    "scheduler.warmup_steps=20",
+    "logger.progress=false",
+]
+# Measured: resumed ORT runs match the uninterrupted ones bit for bit too (ORT's dropout is re-seeded per step);
+# the stated tolerance for ORT modes leaves room for kernels that sum in a thread-dependent order.
+RTOL_ORT = 1e-6
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ortflow", *args],
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(condition, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def record(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "final.pt", weights_only=True)
+
+
+def assert_same_run(resumed: Path, reference: Path, rtol: float) -> float:
+    """Final metrics and weights agree (exactly when rtol=0); returns the largest relative difference."""
+    got, want = record(resumed)["metrics"], record(reference)["metrics"]
+    worst = 0.0
+    for key in ("train/loss", "eval/loss", "eval/accuracy"):
+        worst = max(worst, abs(got[key] - want[key]) / abs(want[key]))
+    a, b = final_weights(resumed), final_weights(reference)
+    assert a.keys() == b.keys()
+    for name in a:
+        if a[name].is_floating_point():
+            worst = max(worst, float(((a[name] - b[name]).abs() / b[name].abs().clamp_min(1e-6)).max()))
+        else:
+            assert torch.equal(a[name], b[name])
+    assert worst <= rtol, f"resumed run differs from the uninterrupted one by {worst:.3g} (allowed {rtol})"
+    return worst
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs, one per accel mode, made on first use."""
+    made: dict[str, Path] = {}
+
+    def get(accel: str) -> Path:
+        if accel not in made:
+            cwd = tmp_path_factory.mktemp(f"reference-{accel}")
+            result = run_cli(*LONG, f"accel={accel}", "hydra.run.dir=run", cwd=cwd)
+            assert result.returncode == 0, result.stderr[-3000:]
+            made[accel] = cwd / "run"
+        return made[accel]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accel", ["none", "ortmodule", "artifacts"])
+def test_kill9_at_a_random_step_then_resume_matches_an_uninterrupted_run(accel, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*LONG, f"accel={accel}", "hydra.run.dir=run"]
+    proc = start(args, tmp_path)
+    wait_for(lambda: checkpoint.step_checkpoints(run_dir / "checkpoints"))  # the first checkpoint is written
+    time.sleep(random.uniform(0.0, 1.5))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert record(run_dir)["status"] == "running", "the run finished before it could be killed"
+    written = checkpoint.step_checkpoints(run_dir / "checkpoints")
+    for _, path in written:  # every checkpoint under its final name is complete and valid
+        checkpoint.load(path)
+    killed_after = written[0][0]
+    print(f"{accel}: killed after checkpoint step {killed_after}")
+
+    result = run_cli(*args, "trainer.resume=auto", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = record(run_dir)
+    assert resumed["status"] == "completed"
+    assert resumed["resumed_from"]["step"] >= killed_after and resumed["resumed_from"]["optimizer_restored"]
+    assert resumed["attempts"][0]["status"] == "running"  # the killed attempt is kept in the record
+    if accel != "none":
+        assert resumed["engine"]["executed_by"] == "onnxruntime"
+    worst = assert_same_run(run_dir, reference(accel), 0.0 if accel == "none" else RTOL_ORT)
+    print(f"{accel}: largest relative difference to the uninterrupted run: {worst:.3g}")
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly_then_resumes_exactly(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*LONG, "hydra.run.dir=run"]
+    proc = start(args, tmp_path)
+    wait_for(lambda: checkpoint.step_checkpoints(run_dir / "checkpoints"))
+    time.sleep(random.uniform(0.0, 1.0))
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    stopped = record(run_dir)
+    assert stopped["status"] == "preempted"
+    assert "trainer.resume=auto" in stderr
+    step = checkpoint.step_checkpoints(run_dir / "checkpoints")[0][0]
+    assert f"after step {step}" in stopped["error"]
+
+    result = run_cli(*args, "trainer.resume=auto", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert record(run_dir)["resumed_from"]["step"] == step
+    assert_same_run(run_dir, reference("none"), 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "target"), [("none", "ortmodule"), ("ortmodule", "artifacts"), ("artifacts", "none")]
+)
+def test_a_checkpoint_from_one_accel_mode_continues_in_another(source, target, tmp_path):
+    short = [*TINY, "trainer.checkpoint.every=3"]
+    first = run_cli(*short, f"accel={source}", "hydra.run.dir=first", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpt = tmp_path / "first" / "checkpoints" / "step-00000006.pt"
+    second = run_cli(
+        *short, f"accel={target}", "trainer.max_steps=9", f"trainer.resume={ckpt}", "hydra.run.dir=second", cwd=tmp_path
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    info = record(tmp_path / "second")
+    assert info["resumed_from"]["written_by_accel"] == source and info["resumed_from"]["step"] == 6
+    torch_optim = {"none", "ortmodule"}
+    assert info["resumed_from"]["optimizer_restored"] == ({source, target} <= torch_optim)
+    assert info["engine"]["executed_by"] == ("pytorch" if target == "none" else "onnxruntime")
+
+
+def test_nan_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    model = [
+        "model=custom",
+        "model._target_=tests.user_model.build_nan_at_step",
+        "+model.vocab_size=256",
+        "+model.width=16",
+        "+model.nan_steps=[5]",
+    ]
+    args = [*model, *TINY[4:], "trainer.checkpoint.every=2"]
+    result = run_cli(*args, "hydra.run.dir=stop", cwd=tmp_path, env=env)
+    assert result.returncode == 2
+    assert "at step 5" in result.stderr and "Traceback" not in result.stderr
+    ckpts = [step for step, _ in checkpoint.step_checkpoints(tmp_path / "stop" / "checkpoints")]
+    assert ckpts == [4, 2]
+    assert record(tmp_path / "stop")["status"] == "failed"
+    kept = checkpoint.load(tmp_path / "stop" / "checkpoints" / "step-00000004.pt")
+    assert all(torch.isfinite(w).all() for w in kept["model"].values())
+
+    skipped = run_cli(*args, "trainer.on_nonfinite=skip", "hydra.run.dir=skip", cwd=tmp_path, env=env)
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert record(tmp_path / "skip")["metrics"]["skipped_steps"] == 1
+    assert all(torch.isfinite(w).all() for w in final_weights(tmp_path / "skip").values())
+
+    many = [*model[:-1], "+model.nan_steps=[2,3,4]"]
+    skip_two = ["trainer.on_nonfinite=skip", "trainer.max_skipped_steps=2"]
+    result = run_cli(*many, *TINY[4:], *skip_two, cwd=tmp_path, env=env)
+    assert result.returncode == 2 and "trainer.max_skipped_steps=2" in result.stderr
+
+
+def test_a_new_run_never_writes_into_a_dir_that_holds_one(tmp_path):
+    first = run_cli(*TINY, "hydra.run.dir=run", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    again = run_cli(*TINY, "optim.lr=0.1", "hydra.run.dir=run", cwd=tmp_path)
+    assert again.returncode == 2 and "trainer.resume=auto" in again.stderr
+    after = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    assert after == before
