@@ -77,29 +77,6 @@ def test_cfg_job_prints_the_composed_config_without_training(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-@pytest.mark.parametrize(
-    ("args", "named"),
-    [
-        (["accel=foo"], "accel/foo"),
-        (["trainer.max_steps=abc"], "trainer.max_steps"),
-        (["trainer.max_step=10"], "trainer.max_step"),
-        (["+recipe=nope"], "recipe/nope"),
-        (["accel=artifacts", "accel.opset=17"], "accel.opset=17"),
-        (["debug=verbose"], "debug"),
-        (["+trainer.typo=1"], "trainer.typo"),
-        (["data.source=/no/such/corpus.txt"], "/no/such/corpus.txt"),
-        (["model._target_=no_such_pkg.build"], "model._target_=no_such_pkg.build"),
-        (["model=custom"], "model._target_"),
-    ],
-)
-def test_bad_input_stops_before_training_with_a_clear_message(args, named, tmp_path):
-    result = run_cli(*args, "logger.progress=false", cwd=tmp_path)
-    assert result.returncode != 0
-    assert named in result.stderr
-    assert "Traceback" not in result.stderr
-    assert not list((tmp_path / "outputs").rglob("final.pt"))
-
-
 @pytest.mark.slow
 def test_a_users_own_model_and_text_file_need_no_registration(tmp_path):
     corpus = tmp_path / "corpus.txt"
