@@ -17,12 +17,14 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import record as record_errors
 
-from ortflow import preflight
+from ortflow import distributed, launch, preflight
 from ortflow.config import register_configs
 from ortflow.errors import OrtflowError
 from ortflow.paths import config_dir
 from ortflow.signals import Preempted
+from ortflow.validate import validate
 
 log = logging.getLogger("ortflow")
 register_configs()
@@ -50,6 +52,8 @@ def _main(cfg: DictConfig) -> float:
     if sweeping and (record := completed_before(run_dir, overrides)):
         log.info("job %s already completed in this sweep dir (%s); skipped", hydra_cfg.job.num, run_dir)
         return record["metrics"][cfg.objective]
+    if launch.needs_launch(cfg):
+        return _launch(cfg, run_dir, overrides, list(hydra_cfg.overrides.hydra), sweeping)
     try:
         metrics = train(cfg, run_dir, overrides)
     except Preempted as err:
@@ -68,7 +72,7 @@ def _main(cfg: DictConfig) -> float:
         if sweeping:
             log.error("job %s failed: %s", hydra_cfg.job.num, err)
             return float("nan")
-        print(f"ortflow: error: {err}", file=sys.stderr, flush=True)
+        print(f"ortflow: error{_rank()}: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Exception:
         if not sweeping:
@@ -78,11 +82,45 @@ def _main(cfg: DictConfig) -> float:
     return metrics[cfg.objective]
 
 
+def _rank() -> str:
+    world = distributed.world_from_env()
+    return f" (rank {world.rank} of {world.size})" if world.size > 1 else ""
+
+
+def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], hydra_overrides: list[str], sweeping: bool) -> float:
+    """Run this run (or sweep job) under torchrun; its rank 0 writes run.json, read back here."""
+    try:
+        validate(cfg)  # the wrapper order and launch settings, before any process starts
+    except OrtflowError as err:
+        if sweeping:
+            log.error("job failed: %s", err)
+            return float("nan")
+        print(f"ortflow: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    status = launch.run_torchrun(cfg, run_dir, overrides, hydra_overrides)
+    record = completed_before(run_dir, overrides) or {}
+    if record:
+        return record["metrics"][cfg.objective]
+    if status == 0 and cfg.distributed.node_rank != 0:
+        log.info("node %d done; the run's results are in node 0's run dir", cfg.distributed.node_rank)
+        return float("nan")
+    if sweeping:
+        log.error("job in %s failed under torchrun (exit status %s)", run_dir, status)
+        return float("nan")
+    try:
+        stopped = json.loads((run_dir / "run.json").read_text()).get("status") == "preempted"
+    except (OSError, ValueError):
+        stopped = False
+    sys.exit(0 if stopped else status or 1)
+
+
+@record_errors
 def main() -> None:
     try:
         preflight.check(sys.argv[1:])
+        sys.argv += launch.rank_overrides(sys.argv[1:])
     except OrtflowError as err:
-        print(f"ortflow: error: {err}", file=sys.stderr, flush=True)
+        print(f"ortflow: error{_rank()}: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     _main()
 

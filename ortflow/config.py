@@ -93,7 +93,18 @@ class ArtifactsAccelConfig:
 # ----------------------------------------------------------------------------------------- single-shape groups
 @dataclass
 class DistributedConfig:
-    name: str = "none"  # single process; multi-process wrappers come with the distributed issue
+    """Process wrappers around the model, innermost first, and how the processes are started."""
+
+    name: str = "none"  # none | ddp | deepspeed
+    # Innermost first. `accel` marks where the accel mode's own wrapper (ORTModule) sits; the others are
+    # ddp (torch DistributedDataParallel), deepspeed, dp (torch.nn.DataParallel, refused with ORTModule).
+    wrappers: list[str] = field(default_factory=lambda: ["accel"])
+    backend: str = "gloo"  # gloo on CPU (nccl needs GPUs)
+    nproc_per_node: int = 1  # processes on this machine; > 1 and not under torchrun: ortflow starts torchrun itself
+    nnodes: int = 1  # machines; each runs the same command with its own node_rank
+    node_rank: int = 0
+    rdzv_endpoint: str = "127.0.0.1:29500"  # host:port of node 0 (multi-node rendezvous)
+    timeout_s: int = 60  # a collective waiting longer than this (a peer died) fails the rank with an error
 
 
 class OrtLogLevel(Enum):

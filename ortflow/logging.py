@@ -26,20 +26,23 @@ class RunLogger:
     """Scalars and text to TensorBoard, every log point to <run dir>/metrics.jsonl and the Python log, and a
     progress bar."""
 
-    def __init__(self, run_dir: Path, cfg: LoggerConfig, total_steps: int, start_step: int = 0) -> None:
+    def __init__(
+        self, run_dir: Path, cfg: LoggerConfig, total_steps: int, start_step: int = 0, writes: bool = True
+    ) -> None:
         """`start_step`: the step a resumed run continues from. TensorBoard then drops the points an interrupted
-        attempt logged after it (they are superseded); metrics.jsonl keeps every line and marks the resume."""
-        self.points = (run_dir / "metrics.jsonl").open("a")
-        if start_step:
+        attempt logged after it (they are superseded); metrics.jsonl keeps every line and marks the resume.
+        `writes=False` (ranks other than 0): log lines only, no files and no progress bar."""
+        self.points = (run_dir / "metrics.jsonl").open("a") if writes else None
+        if writes and start_step:
             self.points.write(json.dumps({"resumed_from_step": start_step}) + "\n")
         self.writer = None
-        if cfg.tensorboard:
+        if writes and cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = start_step + 1 if start_step else None
             self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
         self.progress: Progress | None = None
-        if cfg.progress:
+        if writes and cfg.progress:
             self.progress = Progress(
                 TextColumn("[bold]train"),
                 BarColumn(),
@@ -51,8 +54,9 @@ class RunLogger:
             self.progress.start()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        self.points.write(json.dumps({"step": step, **values}) + "\n")
-        self.points.flush()
+        if self.points is not None:
+            self.points.write(json.dumps({"step": step, **values}) + "\n")
+            self.points.flush()
         if self.writer is not None:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
@@ -73,7 +77,8 @@ class RunLogger:
             self.progress.update(self.task, advance=1, status=status)
 
     def close(self) -> None:
-        self.points.close()
+        if self.points is not None:
+            self.points.close()
         if self.progress is not None:
             self.progress.stop()
         if self.writer is not None:

@@ -87,6 +87,9 @@ def train_loop(
     state: LoopState | None = None,
     save: SaveCheckpoint | None = None,
     seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    any_rank: Callable[[bool], bool] = bool,
 ) -> dict[str, Any]:
     """Run optimizer steps from state.step + 1 to trainer.max_steps; return the final metrics.
 
@@ -94,7 +97,9 @@ def train_loop(
         batches: endless training batches (positioned where `state` left off when resuming).
         state: the counters to continue from (a fresh run: None).
         save: writes a checkpoint; called every trainer.checkpoint.every steps, at the end, and on SIGTERM.
-        seed: the run's seed (ORT's generator is re-seeded from it at every step).
+        seed: the run's seed (ORT's generator is re-seeded from it, the step and `rank` at every step).
+        world_size: processes training together (each with its own batch): samples/s counts all of them.
+        any_rank: whether a flag is set on any rank (all ranks then stop after the same step on SIGTERM).
 
     Raises:
         OrtflowError: the loss became NaN or infinite (the message names the step).
@@ -108,7 +113,7 @@ def train_loop(
             step = state.step + 1
             lr = lr_at(step - 1, optim.lr, scheduler, trainer.max_steps)
             engine.set_lr(lr)
-            seed_ort_for_step(seed, step)
+            seed_ort_for_step(seed, step, rank)
             inputs, targets = next(batches)
             start = time.perf_counter()
             loss = engine.train_step(inputs, targets)
@@ -123,7 +128,7 @@ def train_loop(
                 state.first_step_s = elapsed
             else:
                 state.train_time += elapsed
-                state.samples += inputs.size(0)
+                state.samples += inputs.size(0) * world_size
 
             if step % trainer.log_every == 0 or step == trainer.max_steps:
                 point = {"train/lr": lr}
@@ -140,9 +145,10 @@ def train_loop(
                 state.metrics.update(evaluate(engine, val, trainer.eval_batches))
                 logger.scalars(step, {k: state.metrics[k] for k in ("eval/loss", "eval/accuracy")})
             logger.advance(f"loss {loss:.3f}")
-            if save is not None and ((every and step % every == 0) or step == trainer.max_steps or stop.requested):
+            stopping = any_rank(stop.requested) if save is not None else False
+            if save is not None and ((every and step % every == 0) or step == trainer.max_steps or stopping):
                 path = save(state)
-                if stop.requested and step < trainer.max_steps:
+                if stopping and step < trainer.max_steps:
                     raise Preempted(step, path)
 
     metrics: dict[str, Any] = {"train/loss": float("nan"), **state.metrics}  # nan: every step was skipped

@@ -2,6 +2,7 @@
 the earlier attempt wrote."""
 
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -9,6 +10,9 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+from ortflow import distributed
+from ortflow.launch import SHARED_RUN_DIR
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +44,8 @@ class RunDirGuard(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         run_dir = Path(config.hydra.run.dir)
-        if not holds_a_run(run_dir):
-            return
+        if os.environ.get(SHARED_RUN_DIR) or distributed.world_from_env().rank or not holds_a_run(run_dir):
+            return  # ranks started by ortflow share its run dir; ranks other than 0 leave the dir to rank 0
         if OmegaConf.select(config, "trainer.resume", default=None) is None:
             print(
                 f"ortflow: error: the run dir '{run_dir}' already holds a run, and ortflow never writes over one. "

@@ -6,15 +6,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ortflow import checkpoint, resume
+from ortflow import checkpoint, distributed, resume
 from ortflow.accel.engine import Engine
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
+from ortflow.distributed import World
 from ortflow.errors import OrtflowError
 from ortflow.logging import RunLogger, write_json_atomic
 from ortflow.loop import train_loop
@@ -38,18 +40,22 @@ def _build(group: str, node: DictConfig) -> Any:
         raise OrtflowError(f"{group}._target_={node._target_}: {err}") from err
 
 
-def build_engine(cfg: DictConfig, model: nn.Module, data: Data, run_dir: Path) -> Engine:
-    """The engine named by accel.name, configured from its group (the loop never sees which one it is)."""
-    onnx_dir = run_dir / "onnx"
+def build_engine(cfg: DictConfig, model: nn.Module, data: Data, run_dir: Path, world: World | None = None) -> Engine:
+    """The engine named by accel.name, configured from its group, with the distributed wrappers (DDP) outside the
+    accel mode's own (the loop never sees which one it is)."""
+    world = world or World()
+    onnx_dir = run_dir / "onnx" if world.is_main else run_dir / "onnx" / f"rank-{world.rank}"
     name = cfg.accel.name
+    wrap = distributed.wrapper(cfg.distributed, world)
+    reduce = distributed.mean_across_ranks if world.size > 1 else None
     if name == "none":
         from ortflow.accel.eager import EagerEngine
 
-        return EagerEngine.from_model(model, cfg.optim, cfg.trainer.grad_clip)
+        return EagerEngine.from_model(model, cfg.optim, cfg.trainer.grad_clip, wrap, reduce)
     if name == "ortmodule":
         from ortflow.accel.ortmodule import ORTModuleEngine
 
-        return ORTModuleEngine(model, cfg.optim, cfg.trainer.grad_clip, cfg.accel, cfg.debug, onnx_dir)
+        return ORTModuleEngine(model, cfg.optim, cfg.trainer.grad_clip, cfg.accel, cfg.debug, onnx_dir, wrap, reduce)
     from ortflow.accel.artifacts import ArtifactsEngine
 
     example_inputs, _ = next(iter(data.train))
@@ -102,24 +108,31 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = list(overrides or [])
+    world = distributed.world_from_env()  # every rank trains; only rank 0 writes files
     record = start_record(_config_dict(cfg), overrides, cfg.seed)
     if previous := _read_record(run_dir):
         record["attempts"] = _history(previous)
     try:
-        validate(cfg)
+        validate(cfg)  # the wrapper order included: before any process group starts
+        world = distributed.start(cfg.distributed)
         source = resume.find(cfg.trainer.resume, run_dir / "checkpoints")
-        if source is None and previous:
-            set_aside_previous_attempt(run_dir)
-            record.pop("attempts")  # moved along with the earlier run.json
-        write_json_atomic(run_dir / "run.json", record)
-        metrics, results = _train(cfg, run_dir, hparams_from(overrides, cfg), source)
+        if world.is_main:
+            if source is None and previous:
+                set_aside_previous_attempt(run_dir)
+                record.pop("attempts")  # moved along with the earlier run.json
+            write_json_atomic(run_dir / "run.json", record)
+        metrics, results = _train(cfg, run_dir, hparams_from(overrides, cfg), source, world)
     except BaseException as err:
         status = "preempted" if isinstance(err, Preempted) else "failed"
         record |= {"status": status, "finished": now(), "error": f"{type(err).__name__}: {err}"}
-        write_json_atomic(run_dir / "run.json", record)
+        if world.is_main:
+            write_json_atomic(run_dir / "run.json", record)
         raise
+    finally:
+        distributed.stop()
     record |= {"status": "completed", "finished": now(), "metrics": metrics, **results}
-    write_json_atomic(run_dir / "run.json", record)
+    if world.is_main:
+        write_json_atomic(run_dir / "run.json", record)
     execution = results["engine"]
     log.info(
         "done: train loss %.4f, eval loss %.4f, eval accuracy %.4f, %.1f samples/s, executed by %s. Run dir: %s",
@@ -134,17 +147,25 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
 
 
 def _train(
-    cfg: DictConfig, run_dir: Path, hparams: dict[str, Any], source: tuple[Path, dict[str, Any]] | None
+    cfg: DictConfig,
+    run_dir: Path,
+    hparams: dict[str, Any],
+    source: tuple[Path, dict[str, Any]] | None,
+    world: World,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     seed_everything(cfg.seed)
     data: Data = _build("data", cfg.data)
-    model: nn.Module = _build("model", cfg.model)
+    model: nn.Module = _build("model", cfg.model)  # the same initial weights on every rank
+    if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
+        data.train = distributed.shard(data.train, world, cfg.seed)
+        if world.rank:
+            torch.manual_seed(cfg.seed + world.rank)  # other dropout masks than rank 0's
     config = _config_dict(cfg)
     results: dict[str, Any] = {"data": data.info}
     if source is not None:
         path, payload = source
         resume.load_weights(model, payload, path, cfg.trainer.max_steps)
-    engine = build_engine(cfg, model, data, run_dir)
+    engine = build_engine(cfg, model, data, run_dir, world)
     batches = ResumableBatches(data.train)
     state = None
     if source is not None:
@@ -159,11 +180,14 @@ def _train(
             "optimizer_restored": restored,
             "config_changes": changes,
         }
-    logger = RunLogger(run_dir, cfg.logger, cfg.trainer.max_steps, start_step=state.step if state else 0)
+    start = state.step if state else 0
+    logger = RunLogger(run_dir, cfg.logger, cfg.trainer.max_steps, start_step=start, writes=world.is_main)
     logger.text("config", OmegaConf.to_yaml(cfg, resolve=True))
     logger.text("data", "\n".join(f"{k}: {v}" for k, v in data.info.items()))
     checkpoints = run_dir / "checkpoints"
     save = Checkpointer(checkpoints, cfg.trainer.checkpoint.keep, engine, batches, cfg.accel.name, config)
+    if not world.is_main:  # the weights and optimizer state are the same on every rank; rank 0 writes them
+        save = lambda state: str(checkpoint.step_path(checkpoints, state.step))  # noqa: E731
     try:
         metrics = train_loop(
             engine,
@@ -176,8 +200,16 @@ def _train(
             state=state,
             save=save,
             seed=cfg.seed,
+            rank=world.rank,
+            world_size=world.size,
+            any_rank=distributed.any_rank,
         )
         execution = engine.describe()
+        if world.size > 1:  # proof per rank: each one's own engine says what executed there
+            execution["ranks_executed_by"] = distributed.gather(execution["executed_by"])
+            execution["world_size"] = world.size
+            digests = distributed.gather(checkpoint.digest(engine.model_state_dict()))
+            execution["replicas_identical"] = len(set(digests)) == 1  # bitwise, checked at the end
         # 1 when ONNX Runtime executed every training step, 0 otherwise: plotted beside the loss.
         ort_executed = float(execution["executed_by"] == "onnxruntime")
         logger.scalars(cfg.trainer.max_steps, {"engine/ort_executed": ort_executed})
@@ -186,6 +218,7 @@ def _train(
     finally:
         logger.close()
     # The final weights alone, loadable with torch.load + model.load_state_dict (no ortflow needed).
-    checkpoint.write_atomic(engine.model_state_dict(), checkpoints / "final.pt")
+    if world.is_main:
+        checkpoint.write_atomic(engine.model_state_dict(), checkpoints / "final.pt")
     results["engine"] = execution
     return metrics, results

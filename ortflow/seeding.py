@@ -25,6 +25,6 @@ def seed_everything(seed: int) -> None:
     _set_ort_seed(seed)
 
 
-def seed_ort_for_step(seed: int, step: int) -> None:
-    """Seed ORT's generator for training step `step` (a distinct, reproducible stream per step)."""
-    _set_ort_seed((seed * 1_000_003 + step) % 2**63)
+def seed_ort_for_step(seed: int, step: int, rank: int = 0) -> None:
+    """Seed ORT's generator for training step `step` (a distinct, reproducible stream per step and rank)."""
+    _set_ort_seed((seed * 1_000_003 + step + rank * 1_000_000_007) % 2**63)

@@ -9,6 +9,7 @@ import dataclasses
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from ortflow import distributed
 from ortflow.accel.compat import MAX_ARTIFACTS_OPSET
 from ortflow.errors import collect
 from ortflow.loop import FINAL_METRICS
@@ -70,8 +71,7 @@ def problems(cfg: DictConfig) -> list[str]:
         )
     if cfg.objective not in OBJECTIVES:
         found.append(f"objective={cfg.objective!r} is not a metric ortflow reports; choose one of {OBJECTIVES}.")
-    if cfg.distributed.name != "none":
-        found.append(f"distributed={cfg.distributed.name}: only distributed=none is available.")
+    found += distributed.problems(cfg.distributed, accel)
     for key in ("max_steps", "log_every"):
         if trainer[key] < 1:
             found.append(f"trainer.{key}={trainer[key]} must be >= 1.")

@@ -1,5 +1,7 @@
 """A model a user brings: referenced as model._target_=tests.user_model.build_model, never registered."""
 
+import os
+
 from torch import nn
 
 
@@ -34,3 +36,24 @@ class NaNAtStep(nn.Module):
 def build_nan_at_step(vocab_size: int, width: int, nan_steps: list[int]) -> nn.Module:
     """Used with model=custom: `+model.nan_steps=[5]` makes step 5's loss NaN (eager only)."""
     return NaNAtStep(vocab_size, width, nan_steps)
+
+
+class DiesOnRank(nn.Module):
+    """A bigram model whose process exits abruptly on one rank at one training step (a crashed worker)."""
+
+    def __init__(self, vocab_size: int, width: int, rank: int, step: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))
+        self.dies = int(os.environ.get("RANK", 0)) == rank
+        self.step, self.calls = step, 0
+
+    def forward(self, inputs):
+        if self.training:
+            self.calls += 1
+            if self.dies and self.calls == self.step:
+                os._exit(3)
+        return self.net(inputs)
+
+
+def build_dies_on_rank(vocab_size: int, width: int, rank: int, step: int) -> nn.Module:
+    return DiesOnRank(vocab_size, width, rank, step)

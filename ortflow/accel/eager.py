@@ -2,6 +2,7 @@
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,27 +32,39 @@ class EagerEngine:
         model: nn.Module,
         optim: OptimConfig,
         grad_clip: float | None,
+        reduce_loss: Callable[[float], float] | None = None,
     ) -> None:
         """
         Args:
-            module: what is called with (inputs, targets); returns the loss in train mode.
+            module: what is called with (inputs, targets); returns the loss in train mode (DDP may wrap it).
             model: the user's torch model inside `module` (owner of the state_dict names).
             optim: optimizer settings.
             grad_clip: max global grad norm, or None for no clipping.
+            reduce_loss: turns this process's loss into the global one (the mean over ranks) before the step, so
+                that every rank takes the same decision on a non-finite loss; None for one process.
         """
         self.module = module
         self.model = model
         self.optimizer = build_torch_optimizer(module.parameters(), optim)
         self.grad_clip = grad_clip
+        self.reduce_loss = reduce_loss
 
     @classmethod
-    def from_model(cls, model: nn.Module, optim: OptimConfig, grad_clip: float | None) -> "EagerEngine":
-        return cls(WithLoss(model), model, optim, grad_clip)
+    def from_model(
+        cls,
+        model: nn.Module,
+        optim: OptimConfig,
+        grad_clip: float | None,
+        distribute: Callable[[nn.Module], nn.Module] | None = None,
+        reduce_loss: Callable[[float], float] | None = None,
+    ) -> "EagerEngine":
+        module = WithLoss(model)
+        return cls(distribute(module) if distribute else module, model, optim, grad_clip, reduce_loss)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         self.module.train()
         loss = self.module(inputs, targets)
-        value = loss.item()
+        value = loss.item() if self.reduce_loss is None else self.reduce_loss(loss.item())
         if not math.isfinite(value):
             return value  # no backward, no update: the weights stay the last good ones
         loss.backward()

@@ -7,6 +7,7 @@ so a step that did not execute in ORT stops the run. With `warn` fallbacks are a
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,14 @@ class ORTModuleEngine:
         accel: ORTModuleAccelConfig,
         debug: DebugConfig,
         onnx_dir: Path,
+        distribute: Callable[[nn.Module], nn.Module] | None = None,
+        reduce_loss: Callable[[float], float] | None = None,
     ) -> None:
+        """`distribute` wraps the ORTModule (e.g. in DDP): ORTModule stays the innermost wrapper."""
         self.fallback = accel.fallback
         self.module = wrap(WithLoss(model), accel, debug, onnx_dir)
-        self.inner = EagerEngine(self.module, model, optim, grad_clip)
+        outer = distribute(self.module) if distribute else self.module
+        self.inner = EagerEngine(outer, model, optim, grad_clip, reduce_loss)
         self.batch_size: int | None = None  # shape ORT's graphs were exported for (first training batch)
         self.ort_steps = 0
         self.torch_steps = 0

@@ -27,7 +27,8 @@ class ResumableBatches:
     @property
     def exact(self) -> bool:
         """Whether a restored position reproduces the uninterrupted order."""
-        return self._generator is not None or not isinstance(getattr(self.loader, "sampler", None), RandomSampler)
+        sampler = getattr(self.loader, "sampler", None)
+        return self._generator is not None or not isinstance(sampler, RandomSampler)
 
     def __iter__(self) -> "ResumableBatches":
         return self
@@ -36,6 +37,8 @@ class ResumableBatches:
         if self._iterator is None:
             if self._generator is not None:
                 self._epoch_start = self._generator.get_state()
+            if hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
+                self.loader.sampler.set_epoch(self.epoch)  # DistributedSampler: each epoch's order from (seed, epoch)
             self._iterator = iter(self.loader)
             for _ in range(self.index):  # after a restore: the batches this epoch already gave
                 next(self._iterator, None)

@@ -1,0 +1,177 @@
+"""Process wrappers around the model in the configured order, validated before any process group starts, and the
+process group, data sharding and cross-rank reductions under them.
+
+Order (innermost first) is `distributed.wrappers`; `accel` marks the accel mode's own wrapper (ORTModule). ORTModule
+must be innermost: DDP and DeepSpeed hook the parameters' gradients, which ORTModule produces from its ONNX graph.
+"""
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ortflow.config import DistributedConfig
+
+WRAPPERS = ("accel", "ddp", "dp", "deepspeed")
+MULTI_PROCESS = ("ddp", "deepspeed")
+BACKENDS = ("gloo", "nccl", "mpi")
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the training processes (torchrun's RANK, LOCAL_RANK, WORLD_SIZE)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only process that writes run.json, TensorBoard, metrics and checkpoints."""
+        return self.rank == 0
+
+
+def world_from_env() -> World:
+    env = os.environ
+    return World(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)))
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def processes(cfg: DistributedConfig) -> int:
+    return cfg.nproc_per_node * cfg.nnodes
+
+
+def _deepspeed_problem() -> str | None:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return "distributed=deepspeed needs the deepspeed package (pip install deepspeed) and CUDA GPUs."
+    if not torch.cuda.is_available():
+        return "distributed=deepspeed needs CUDA GPUs; this machine has none. Use distributed=ddp (gloo) on CPU."
+    return "distributed=deepspeed: this build of ortflow trains on cpu only (trainer.device=cpu); use distributed=ddp."
+
+
+def problems(cfg: DistributedConfig, accel: str) -> list[str]:
+    """Everything wrong with the wrapper order and launch settings, each naming the key and the fix."""
+    found = []
+    wrappers = list(cfg.wrappers)
+    unknown = [w for w in wrappers if w not in WRAPPERS]
+    if unknown:
+        return [f"distributed.wrappers: unknown {unknown}; choose from {list(WRAPPERS)} (innermost first)."]
+    if wrappers.count("accel") != 1:
+        return ["distributed.wrappers must name `accel` exactly once: where the accel mode's wrapper sits."]
+    multi = [w for w in wrappers if w in MULTI_PROCESS]
+    inside = wrappers.index("accel")
+    if "dp" in wrappers and accel == "ortmodule":
+        found.append(
+            "distributed.wrappers has dp (torch.nn.DataParallel) with accel=ortmodule: DataParallel copies the "
+            "module into one replica per device on every forward, and ORTModule's ONNX Runtime session cannot be "
+            "replicated that way. Use distributed=ddp (DistributedDataParallel, one process per device) instead."
+        )
+    for w in multi:
+        if accel == "ortmodule" and wrappers.index(w) < inside:
+            found.append(
+                f"distributed.wrappers={wrappers} puts {w} inside ORTModule. ORTModule must be the innermost "
+                f"wrapper ({w} hooks the gradients ORTModule's graph produces); use distributed.wrappers=[accel,{w}]."
+            )
+    if multi and accel == "artifacts":
+        found.append(
+            f"accel=artifacts with {multi[0]}: ONNX Runtime's training API (artifacts) has no data parallelism (no "
+            "gradient all-reduce between processes). Use accel=ortmodule or accel=none with distributed=ddp."
+        )
+    if len(multi) > 1:
+        found.append(f"distributed.wrappers={wrappers}: use one of ddp and deepspeed, not both.")
+    if cfg.name != "none" and cfg.name not in wrappers:
+        found.append(f"distributed={cfg.name} needs {cfg.name} in distributed.wrappers (e.g. [accel,{cfg.name}]).")
+    if cfg.name == "none" and multi:
+        found.append(f"distributed.wrappers has {multi[0]} but distributed=none; choose distributed={multi[0]}.")
+    if "deepspeed" in wrappers:
+        found.append(_deepspeed_problem())
+    for key in ("nproc_per_node", "nnodes", "timeout_s"):
+        if cfg[key] < 1:
+            found.append(f"distributed.{key}={cfg[key]} must be >= 1.")
+    if not 0 <= cfg.node_rank < max(cfg.nnodes, 1):
+        found.append(f"distributed.node_rank={cfg.node_rank} must be in [0, distributed.nnodes={cfg.nnodes}).")
+    if processes(cfg) > 1 and not multi:
+        found.append(
+            f"{processes(cfg)} processes (distributed.nproc_per_node x nnodes) need a multi-process wrapper; use "
+            "distributed=ddp."
+        )
+    if cfg.backend not in BACKENDS:
+        found.append(f"distributed.backend={cfg.backend!r} is not one of {BACKENDS}.")
+    elif cfg.backend == "nccl" and not torch.cuda.is_available():
+        found.append("distributed.backend=nccl needs CUDA GPUs; use distributed.backend=gloo on CPU.")
+    return found
+
+
+def start(cfg: DistributedConfig) -> World:
+    """Join the process group torchrun set up (environment variables), if there is more than one process."""
+    world = world_from_env()
+    if world.size > 1 and not dist.is_initialized():
+        dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
+    return world
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrapper(cfg: DistributedConfig, world: World) -> Callable[[nn.Module], nn.Module]:
+    """Applies the wrappers listed outside `accel`, in order, to the (accel-wrapped) module."""
+
+    def wrap(module: nn.Module) -> nn.Module:
+        wrappers = list(cfg.wrappers)
+        for name in wrappers[wrappers.index("accel") + 1 :] + wrappers[: wrappers.index("accel")]:
+            if name == "ddp" and world.size > 1:
+                module = nn.parallel.DistributedDataParallel(module)
+            elif name == "dp":
+                module = nn.DataParallel(module)
+        return module
+
+    return wrap
+
+
+def mean_across_ranks(value: float) -> float:
+    """The mean of a per-rank scalar over all ranks (the global loss)."""
+    if not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return float(tensor) / dist.get_world_size()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any (all ranks then stop at the same step)."""
+    if not dist.is_initialized():
+        return flag
+    tensor = torch.tensor([int(flag)])
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor)
+
+
+def gather(value: object) -> list:
+    """`value` from every rank, in rank order (on every rank)."""
+    if not dist.is_initialized():
+        return [value]
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def shard(loader: DataLoader, world: World, seed: int) -> DataLoader:
+    """The same training data, each rank reading its own 1/world.size of every epoch (DistributedSampler)."""
+    sampler = DistributedSampler(
+        loader.dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=seed, drop_last=True
+    )
+    return DataLoader(
+        loader.dataset, loader.batch_size, sampler=sampler, drop_last=True, num_workers=loader.num_workers
+    )

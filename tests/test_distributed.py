@@ -1,0 +1,181 @@
+"""distributed=ddp: wrapper order validated before any process starts, DDP around ORTModule under torchrun (started
+by ortflow, or by hand), 2 ranks x batch B == 1 process x batch 2B, replicas in sync, ORT on every rank, a dead rank
+ends the run, two "nodes" on loopback, and sweeps of DDP jobs."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ortflow import distributed
+from tests.conftest import REPO, make_cfg, run_cli
+
+# dropout=0 and a constant LR: the 1-process and 2-process runs then compute the same thing in another order.
+SMALL = [
+    "model.d_model=32",
+    "model.nhead=2",
+    "model.num_layers=1",
+    "model.dim_feedforward=64",
+    "model.dropout=0",
+    "data.block_size=16",
+    "trainer.max_steps=10",
+    "trainer.eval_every=5",
+    "trainer.eval_batches=2",
+    "trainer.log_every=1",
+    "logger.progress=false",
+]
+# Measured (10 AdamW steps): 2 ranks vs 1 process, relative parameter difference (norm) 3e-6, loss 2e-7.
+RTOL_PARAMS = 1e-4
+RTOL_LOSS = 1e-5
+
+
+def problems(*overrides: str) -> list[str]:
+    cfg = make_cfg(*overrides)
+    return distributed.problems(cfg.distributed, cfg.accel.name)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["accel=ortmodule", "distributed.wrappers=[accel,dp]"], "Use distributed=ddp"),
+        (["accel=ortmodule", "distributed=ddp", "distributed.wrappers=[ddp,accel]"], "innermost"),
+        (["accel=artifacts", "distributed=ddp"], "no data parallelism"),
+        (["distributed=deepspeed"], "deepspeed"),
+        (["distributed.nproc_per_node=2"], "need a multi-process wrapper"),
+        (["distributed=ddp", "distributed.wrappers=[accel]"], "needs ddp in distributed.wrappers"),
+        (["distributed=ddp", "distributed.backend=nccl"], "needs CUDA GPUs"),
+        (["distributed=ddp", "distributed.nnodes=2", "distributed.node_rank=2"], "distributed.node_rank=2"),
+    ],
+)
+def test_wrapper_order_and_launch_settings_are_checked(overrides, says):
+    found = problems(*overrides)
+    assert any(says in p for p in found), found
+
+
+def test_the_shipped_orders_are_accepted():
+    assert problems("accel=ortmodule", "distributed=ddp") == []
+    assert problems("accel=none", "distributed=ddp") == []
+    assert problems("accel=artifacts") == []
+
+
+def test_a_refused_order_stops_before_any_process_starts(tmp_path):
+    result = run_cli("accel=ortmodule", "distributed=ddp", "distributed.wrappers=[ddp,accel]", cwd=tmp_path)
+    assert result.returncode == 2 and "innermost" in result.stderr
+    assert "torch.distributed.run" not in result.stderr and not list(tmp_path.rglob("run.json"))
+
+
+def record(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x["train/loss"] for x in lines if "train/loss" in x]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accel", ["none", "ortmodule"])
+def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(accel, tmp_path):
+    two = run_cli(*SMALL, f"accel={accel}", "distributed=ddp", "data.batch_size=8", "hydra.run.dir=two", cwd=tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = run_cli(
+        *SMALL,
+        f"accel={accel}",
+        "distributed=ddp",
+        "distributed.nproc_per_node=1",
+        "data.batch_size=16",
+        "hydra.run.dir=one",
+        cwd=tmp_path,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    info = record(tmp_path / "two")["engine"]
+    assert info["world_size"] == 2 and info["replicas_identical"]  # parameters bitwise equal on both ranks
+    expected = "onnxruntime" if accel == "ortmodule" else "pytorch"
+    assert info["ranks_executed_by"] == [expected, expected]
+    a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert len(a) == len(b) == 10
+    worst_loss = max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+    wa = torch.load(tmp_path / "two" / "checkpoints" / "final.pt", weights_only=True)
+    wb = torch.load(tmp_path / "one" / "checkpoints" / "final.pt", weights_only=True)
+    diff = torch.cat([(wa[k] - wb[k]).flatten() for k in wa]).norm() / torch.cat([wb[k].flatten() for k in wb]).norm()
+    print(f"{accel}: 2 ranks vs 1 process: loss {worst_loss:.2g}, parameters {float(diff):.2g} (relative)")
+    assert worst_loss <= RTOL_LOSS and diff <= RTOL_PARAMS
+    # Only rank 0 wrote into the shared run dir.
+    assert not (tmp_path / "two" / "onnx").exists() or not list((tmp_path / "two" / "onnx").glob("rank-*"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_ends_the_run_with_an_error_naming_it(tmp_path):
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    model = [
+        "model=custom",
+        "model._target_=tests.user_model.build_dies_on_rank",
+        "+model.vocab_size=256",
+        "+model.width=16",
+        "+model.rank=1",
+        "+model.step=3",
+    ]
+    start = time.monotonic()
+    result = run_cli(*model, *SMALL[5:], "distributed=ddp", "hydra.run.dir=run", cwd=tmp_path, env=env, timeout=300)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "rank: 1" in result.stderr or "rank 1" in result.stderr, result.stderr[-3000:]
+    assert record(tmp_path / "run")["status"] == "failed"
+    print(f"a dead rank ended the run after {elapsed:.1f} s (start-up included)")
+    assert elapsed < 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = [
+        *SMALL,
+        "accel=ortmodule",
+        "distributed=ddp",
+        "distributed.nnodes=2",
+        "distributed.nproc_per_node=1",
+        f"distributed.rdzv_endpoint={endpoint}",
+        "logger.progress=false",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ortflow", *common, f"distributed.node_rank={n}", f"hydra.run.dir=node{n}"],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
+    errors = [node.communicate(timeout=300)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    info = record(tmp_path / "node0")["engine"]
+    assert info["world_size"] == 2 and info["ranks_executed_by"] == ["onnxruntime"] * 2 and info["replicas_identical"]
+    assert not (tmp_path / "node1" / "run.json").exists()  # rank 1 lives on node 1 and writes nothing
+
+
+@pytest.mark.slow
+def test_a_sweep_of_ddp_jobs_makes_one_dir_per_job(tmp_path):
+    result = run_cli(
+        "-m", *SMALL, "distributed=ddp", "data.batch_size=8", "seed=1,2", "hydra.sweep.dir=sweep", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    for job in jobs:
+        info = record(tmp_path / "sweep" / job)
+        assert info["status"] == "completed" and info["engine"]["world_size"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no stray run dirs
