@@ -101,7 +101,7 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], hydra_override
     record = completed_before(run_dir, overrides) or {}
     if record:
         return record["metrics"][cfg.objective]
-    if status == 0 and cfg.distributed.node_rank != 0:
+    if status == 0:  # this node ran no rank 0 (multi-node): rank 0's run dir, on node 0, holds the results
         log.info("node %d done; the run's results are in node 0's run dir", cfg.distributed.node_rank)
         return float("nan")
     if sweeping:

@@ -103,7 +103,7 @@ class DistributedConfig:
     nproc_per_node: int = 1  # processes on this machine; > 1 and not under torchrun: ortflow starts torchrun itself
     nnodes: int = 1  # machines; each runs the same command with its own node_rank
     node_rank: int = 0
-    rdzv_endpoint: str = "127.0.0.1:29500"  # host:port of node 0 (multi-node rendezvous)
+    rdzv_endpoint: str = "127.0.0.1:29500"  # host:port of node 0, reachable from every node (multi-node)
     timeout_s: int = 60  # a collective waiting longer than this (a peer died) fails the rank with an error
 
 

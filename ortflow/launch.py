@@ -57,12 +57,14 @@ def run_torchrun(cfg: DictConfig, run_dir: Path, overrides: list[str], hydra_ove
     if d.nnodes == 1:
         command.append("--standalone")
     else:
+        # Static rendezvous: ranks follow node_rank (node 0 holds rank 0, which writes the run dir). c10d
+        # rendezvous would assign ranks in arrival order.
+        host, _, port = d.rdzv_endpoint.rpartition(":")
         command += [
             f"--nnodes={d.nnodes}",
             f"--node_rank={d.node_rank}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint={d.rdzv_endpoint}",
-            "--rdzv_id=ortflow",
+            f"--master_addr={host}",
+            f"--master_port={port}",
         ]
     passed = [o for o in hydra_overrides if o.startswith("hydra.searchpath=")]
     command += ["-m", "ortflow", *overrides, *passed, f"hydra.run.dir={run_dir}"]
