@@ -14,7 +14,7 @@ from ortflow.config import OnNonFinite, OptimConfig, SchedulerConfig, TrainerCon
 from ortflow.errors import OrtflowError
 from ortflow.logging import RunLogger
 from ortflow.scheduler import lr_at
-from ortflow.seeding import seed_ort_for_step
+from ortflow.seeding import seed_step
 from ortflow.signals import Preempted, stop_on_sigterm
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def train_loop(
         batches: endless training batches (positioned where `state` left off when resuming).
         state: the counters to continue from (a fresh run: None).
         save: writes a checkpoint; called every trainer.checkpoint.every steps, at the end, and on SIGTERM.
-        seed: the run's seed (ORT's generator is re-seeded from it, the step and `rank` at every step).
+        seed: the run's seed (torch's and ORT's generators are re-seeded from it, the step and `rank` every step).
         world_size: processes training together (each with its own batch): samples/s counts all of them.
         any_rank: whether a flag is set on any rank (all ranks then stop after the same step on SIGTERM).
 
@@ -113,7 +113,7 @@ def train_loop(
             step = state.step + 1
             lr = lr_at(step - 1, optim.lr, scheduler, trainer.max_steps)
             engine.set_lr(lr)
-            seed_ort_for_step(seed, step, rank)
+            seed_step(seed, step, rank)
             inputs, targets = next(batches)
             start = time.perf_counter()
             loss = engine.train_step(inputs, targets)

@@ -6,7 +6,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -158,8 +157,6 @@ def _train(
     model: nn.Module = _build("model", cfg.model)  # the same initial weights on every rank
     if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
         data.train = distributed.shard(data.train, world, cfg.seed)
-        if world.rank:
-            torch.manual_seed(cfg.seed + world.rank)  # other dropout masks than rank 0's
     config = _config_dict(cfg)
     results: dict[str, Any] = {"data": data.info}
     if source is not None:

@@ -1,8 +1,9 @@
-"""Seeding: everything at start-up, and ONNX Runtime's generator again at every step.
+"""Seeding: everything at start-up, then torch's and ONNX Runtime's generators again at every step.
 
-ORT's generator state cannot be saved, so it is re-seeded before each training step from (seed, step): the
-dropout masks inside ORT graphs then depend only on the step, and a resumed run draws the same ones as an
-uninterrupted run. Torch's, numpy's and python's generators are saved in checkpoints instead.
+ORT's generator state cannot be saved, so before each training step both generators that draw dropout masks are
+re-seeded from (seed, step, rank): the masks then depend only on the step and the rank, so a resumed run (on any
+rank of a DDP run, too) draws the same ones as an uninterrupted run, and each rank draws its own. Numpy's and
+python's generators (which user code may use) are saved in checkpoints.
 """
 
 import random
@@ -25,6 +26,8 @@ def seed_everything(seed: int) -> None:
     _set_ort_seed(seed)
 
 
-def seed_ort_for_step(seed: int, step: int, rank: int = 0) -> None:
-    """Seed ORT's generator for training step `step` (a distinct, reproducible stream per step and rank)."""
-    _set_ort_seed((seed * 1_000_003 + step + rank * 1_000_000_007) % 2**63)
+def seed_step(seed: int, step: int, rank: int = 0) -> None:
+    """Seed torch's and ORT's generators for training step `step` (a distinct stream per step and rank)."""
+    step_seed = (seed * 1_000_003 + step + rank * 1_000_000_007) % 2**63
+    torch.manual_seed(step_seed)
+    _set_ort_seed(step_seed)

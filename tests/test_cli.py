@@ -1,13 +1,12 @@
 """The `ortflow` command end to end, in a subprocess, from a directory that is not the checkout."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import REPO, TINY, run_cli, run_dirs
+from tests.conftest import TINY, USER_ENV, custom_model, run_cli, run_dirs
 
 TAGS = {"train/loss", "train/lr", "perf/samples_per_sec", "eval/loss", "eval/accuracy", "engine/ort_executed"}
 
@@ -81,12 +80,8 @@ def test_cfg_job_prints_the_composed_config_without_training(tmp_path):
 def test_a_users_own_model_and_text_file_need_no_registration(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("to be or not to be, that is the question. " * 300)
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    for model_args in (
-        ["model._target_=tests.user_model.build_model"],
-        ["model=custom", "model._target_=tests.user_model.build_bigram", "+model.vocab_size=256", "+model.width=16"],
-    ):
-        result = run_cli(*model_args, f"data.source={corpus}", *TINY[4:], cwd=tmp_path, env=env)
+    for model_args in (["model._target_=tests.user_model.build_model"], custom_model("build_bigram")):
+        result = run_cli(*model_args, f"data.source={corpus}", *TINY[4:], cwd=tmp_path, env=USER_ENV)
         assert result.returncode == 0, result.stderr[-3000:]
     metas = [json.loads((d / "run.json").read_text()) for d in run_dirs(tmp_path)]
     assert [m["data"]["source"] for m in metas] == [str(corpus)] * 2

@@ -100,7 +100,8 @@ def made(tmp_path_factory) -> Path:
     (out / "good.pt").write_bytes(good)
     (out / "truncated.pt").write_bytes(good[: len(good) // 2])
     flipped = bytearray(good)
-    flipped[len(good) // 2] ^= 0xFF  # inside a tensor's bytes: torch.load alone would not notice
+    weights = checkpoint.load(out / "good.pt")["model"]["fc.weight"].numpy().tobytes()
+    flipped[good.index(weights) + 100] ^= 0xFF  # inside a tensor's bytes: torch.load alone would not notice
     (out / "bit_flipped.pt").write_bytes(bytes(flipped))
     shutil.copy(eager / "final.pt", out / "weights_only.pt")
     payload = checkpoint.load(out / "good.pt")

@@ -3,7 +3,6 @@ by ortflow, or by hand), 2 ranks x batch B == 1 process x batch 2B, replicas in 
 ends the run, two "nodes" on loopback, and sweeps of DDP jobs."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from ortflow import distributed
-from tests.conftest import REPO, make_cfg, run_cli
+from tests.conftest import USER_ENV, custom_model, make_cfg, run_cli
 
 # dropout=0 and a constant LR: the 1-process and 2-process runs then compute the same thing in another order.
 SMALL = [
@@ -113,15 +112,8 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(accel, tmp_path)
 
 @pytest.mark.slow
 def test_a_rank_that_dies_ends_the_run_with_an_error_naming_it(tmp_path):
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    model = [
-        "model=custom",
-        "model._target_=tests.user_model.build_dies_on_rank",
-        "+model.vocab_size=256",
-        "+model.width=16",
-        "+model.rank=1",
-        "+model.step=3",
-    ]
+    env = USER_ENV
+    model = custom_model("build_dies_on_rank", rank=1, step=3)
     start = time.monotonic()
     result = run_cli(*model, *SMALL[5:], "distributed=ddp", "hydra.run.dir=run", cwd=tmp_path, env=env, timeout=300)
     elapsed = time.monotonic() - start
@@ -179,3 +171,39 @@ def test_a_sweep_of_ddp_jobs_makes_one_dir_per_job(tmp_path):
         info = record(tmp_path / "sweep" / job)
         assert info["status"] == "completed" and info["engine"]["world_size"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no stray run dirs
+
+
+@pytest.mark.slow
+def test_a_ddp_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(tmp_path):
+    args = [
+        *SMALL,
+        "model.dropout=0.1",
+        "accel=ortmodule",
+        "distributed=ddp",
+        "data.batch_size=8",
+        "trainer.checkpoint.every=5",
+    ]
+    full = run_cli(*args, "hydra.run.dir=full", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr[-3000:]
+    ckpt = tmp_path / "full" / "checkpoints" / "step-00000005.pt"
+    resumed = run_cli(*args, f"trainer.resume={ckpt}", "hydra.run.dir=resumed", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert record(tmp_path / "resumed")["engine"]["replicas_identical"]
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "full")[5:]  # dropout masks per (step, rank) again
+    wa = torch.load(tmp_path / "full" / "checkpoints" / "final.pt", weights_only=True)
+    wb = torch.load(tmp_path / "resumed" / "checkpoints" / "final.pt", weights_only=True)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_the_slurm_launcher_preset_composes_with_ddp_settings():
+    from hydra import compose, initialize_config_dir
+
+    from ortflow.paths import config_dir
+
+    overrides = ["hydra/launcher=slurm", "distributed=ddp", "distributed.nnodes=2", "distributed.nproc_per_node=4"]
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides, return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.cpus_per_task) == (2, 1, 4)
+    assert cfg.distributed.node_rank == 0 and cfg.distributed.rdzv_endpoint == "127.0.0.1:29500"  # outside SLURM

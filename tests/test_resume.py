@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ortflow import checkpoint
-from tests.conftest import REPO, TINY, run_cli
+from tests.conftest import TINY, USER_ENV, custom_model, run_cli
 
 # Long enough (hundreds of steps) to be killed mid-run, small enough to take seconds per run.
 LONG = [
@@ -166,14 +166,8 @@ def test_a_checkpoint_from_one_accel_mode_continues_in_another(source, target, t
 
 
 def test_nan_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    model = [
-        "model=custom",
-        "model._target_=tests.user_model.build_nan_at_step",
-        "+model.vocab_size=256",
-        "+model.width=16",
-        "+model.nan_steps=[5]",
-    ]
+    env = USER_ENV
+    model = custom_model("build_nan_at_step", nan_steps=[5])
     args = [*model, *TINY[4:], "trainer.checkpoint.every=2"]
     result = run_cli(*args, "hydra.run.dir=stop", cwd=tmp_path, env=env)
     assert result.returncode == 2
@@ -189,7 +183,7 @@ def test_nan_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path)
     assert record(tmp_path / "skip")["metrics"]["skipped_steps"] == 1
     assert all(torch.isfinite(w).all() for w in final_weights(tmp_path / "skip").values())
 
-    many = [*model[:-1], "+model.nan_steps=[2,3,4]"]
+    many = custom_model("build_nan_at_step", nan_steps=[2, 3, 4])
     skip_two = ["trainer.on_nonfinite=skip", "trainer.max_skipped_steps=2"]
     result = run_cli(*many, *TINY[4:], *skip_two, cwd=tmp_path, env=env)
     assert result.returncode == 2 and "trainer.max_skipped_steps=2" in result.stderr
@@ -203,3 +197,16 @@ def test_a_new_run_never_writes_into_a_dir_that_holds_one(tmp_path):
     assert again.returncode == 2 and "trainer.resume=auto" in again.stderr
     after = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
     assert after == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accel", ["none", "ortmodule", "artifacts"])
+def test_a_run_writes_nothing_outside_its_run_dir(accel, tmp_path):
+    home, tmp, work = tmp_path / "home", tmp_path / "tmp", tmp_path / "work"
+    for d in (home, tmp, work):
+        d.mkdir()
+    env = {"HOME": str(home), "TMPDIR": str(tmp)}
+    result = run_cli(*TINY, f"accel={accel}", "hydra.run.dir=run", cwd=work, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [p.name for p in work.iterdir()] == ["run"]
+    assert list(home.rglob("*")) == [] and list(tmp.rglob("*")) == []
