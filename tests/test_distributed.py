@@ -207,3 +207,28 @@ def test_the_slurm_launcher_preset_composes_with_ddp_settings():
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.cpus_per_task) == (2, 1, 4)
     assert cfg.distributed.node_rank == 0 and cfg.distributed.rdzv_endpoint == "127.0.0.1:29500"  # outside SLURM
+
+
+@pytest.mark.slow
+def test_torchrun_started_by_hand_shares_one_run_dir(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "ortflow",
+        *SMALL,
+        "accel=ortmodule",
+        "distributed=ddp",
+        "data.batch_size=8",
+    ]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("*/torchrun-*")  # one dir for both ranks, named after the run id
+    info = record(run_dir)["engine"]
+    assert info["ranks_executed_by"] == ["onnxruntime"] * 2 and info["replicas_identical"]
+    assert sorted(p.name for p in (tmp_path / "outputs").rglob("*") if p.parent.parent == tmp_path / "outputs") == [
+        run_dir.name
+    ]
