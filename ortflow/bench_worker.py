@@ -21,8 +21,9 @@ from omegaconf import OmegaConf
 from ortflow.accel.engine import Engine, EvalResult, flat_cross_entropy
 from ortflow.config import register_configs
 from ortflow.data import Data
+from ortflow.data.resumable import ResumableBatches
 from ortflow.logging import RunLogger
-from ortflow.loop import forever, train_loop
+from ortflow.loop import train_loop
 from ortflow.paths import config_dir
 from ortflow.runner import _build, build_engine
 from ortflow.seeding import seed_everything
@@ -78,7 +79,7 @@ def measure(spec: str, steps: int, warmup: int, overrides: list[str]) -> dict[st
     flops = model_flops(model, data)
     if mode == "compile":
         model = torch.compile(model)
-    batches = list(itertools.islice(forever(data.train), 1 + warmup + steps))
+    batches = list(itertools.islice(ResumableBatches(data.train), 1 + warmup + steps))
     run_dir = Path(tempfile.mkdtemp(prefix="ortflow-bench-"))
     start = time.perf_counter()  # export, session creation and compilation all land in the first step
     engine = build_engine(cfg, model, data, run_dir)

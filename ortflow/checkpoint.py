@@ -69,6 +69,15 @@ def digest(tree: Any) -> str:
     return h.hexdigest()
 
 
+def _content(payload: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in payload.items() if k != "digest"}
+
+
+def seal(payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload with the digest of its content added (what load() checks)."""
+    return {**payload, "digest": digest(_content(payload))}
+
+
 def write_atomic(payload: dict[str, Any], path: Path) -> None:
     """torch.save through a temporary file in the same directory, fsync, then rename: the final name only ever
     holds a complete file, whatever kills the process."""
@@ -134,8 +143,7 @@ def load(path: Path) -> dict[str, Any]:
         missing = [key for key in REQUIRED if key not in payload]
         if missing:
             raise OrtflowError(f"checkpoint '{path}' is incomplete: it lacks {missing}. Use another checkpoint.")
-        content = {k: v for k, v in payload.items() if k != "digest"}
-        if payload.get("digest") != digest(content):
+        if payload.get("digest") != digest(_content(payload)):
             raise OrtflowError(
                 f"checkpoint '{path}' is corrupt: its content does not match the checksum written with it (the file "
                 "changed after it was written). Use another checkpoint (trainer.resume=auto picks the newest valid)."

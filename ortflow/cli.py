@@ -5,7 +5,6 @@ Single run: a user error prints one paragraph and exits with status 2. Multirun:
 (same sweep dir, same overrides) is skipped, so re-running an interrupted sweep finishes only what is left.
 """
 
-import json
 import logging
 import os
 import sys
@@ -22,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record as record_er
 from ortflow import distributed, launch, preflight
 from ortflow.config import register_configs
 from ortflow.errors import OrtflowError
+from ortflow.metadata import read_record
 from ortflow.paths import config_dir
 from ortflow.signals import Preempted
 from ortflow.validate import validate
@@ -32,13 +32,19 @@ register_configs()
 
 def completed_before(run_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
     """The run.json of a job that already completed in this dir with the same overrides, else None."""
-    try:
-        record = json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if record.get("status") == "completed" and record.get("overrides") == overrides:
+    record = read_record(run_dir)
+    if record and record.get("status") == "completed" and record.get("overrides") == overrides:
         return record
     return None
+
+
+def _user_error(err: OrtflowError, sweeping: bool) -> float:
+    """A sweep records the failed job and goes on (nan); a single run prints one paragraph and exits with 2."""
+    if sweeping:
+        log.error("job %s failed: %s", HydraConfig.get().job.num, err)
+        return float("nan")
+    print(f"ortflow: error{_rank()}: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
@@ -53,6 +59,10 @@ def _main(cfg: DictConfig) -> float:
         log.info("job %s already completed in this sweep dir (%s); skipped", hydra_cfg.job.num, run_dir)
         return record["metrics"][cfg.objective]
     if launch.needs_launch(cfg):
+        try:
+            validate(cfg)  # the wrapper order and launch settings, before any process starts
+        except OrtflowError as err:
+            return _user_error(err, sweeping)
         return _launch(cfg, run_dir, overrides, list(hydra_cfg.overrides.hydra), sweeping)
     try:
         metrics = train(cfg, run_dir, overrides)
@@ -69,11 +79,7 @@ def _main(cfg: DictConfig) -> float:
     except OrtflowError as err:
         if os.environ.get("ORTFLOW_TRACEBACK"):
             traceback.print_exc()
-        if sweeping:
-            log.error("job %s failed: %s", hydra_cfg.job.num, err)
-            return float("nan")
-        print(f"ortflow: error{_rank()}: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        return _user_error(err, sweeping)
     except Exception:
         if not sweeping:
             raise
@@ -88,18 +94,9 @@ def _rank() -> str:
 
 
 def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], hydra_overrides: list[str], sweeping: bool) -> float:
-    """Run this run (or sweep job) under torchrun; its rank 0 writes run.json, read back here."""
-    try:
-        validate(cfg)  # the wrapper order and launch settings, before any process starts
-    except OrtflowError as err:
-        if sweeping:
-            log.error("job failed: %s", err)
-            return float("nan")
-        print(f"ortflow: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    """Run this (validated) run or sweep job under torchrun; its rank 0 writes run.json, read back here."""
     status = launch.run_torchrun(cfg, run_dir, overrides, hydra_overrides)
-    record = completed_before(run_dir, overrides) or {}
-    if record:
+    if record := completed_before(run_dir, overrides):
         return record["metrics"][cfg.objective]
     if status == 0:  # this node ran no rank 0 (multi-node): rank 0's run dir, on node 0, holds the results
         log.info("node %d done; the run's results are in node 0's run dir", cfg.distributed.node_rank)
@@ -107,10 +104,7 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], hydra_override
     if sweeping:
         log.error("job in %s failed under torchrun (exit status %s)", run_dir, status)
         return float("nan")
-    try:
-        stopped = json.loads((run_dir / "run.json").read_text()).get("status") == "preempted"
-    except (OSError, ValueError):
-        stopped = False
+    stopped = (read_record(run_dir) or {}).get("status") == "preempted"
     sys.exit(0 if stopped else status or 1)
 
 

@@ -10,19 +10,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ortflow.loop import FINAL_METRICS
+from ortflow.metadata import flatten
 
 METRICS = ("status", "executed_by", "steps", *FINAL_METRICS)
 _ABSENT = "<absent>"
-
-
-def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}"""
-    if not isinstance(node, dict):
-        return {prefix: node}
-    flat: dict[str, Any] = {}
-    for key, value in node.items():
-        flat |= flatten(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}")
-    return flat
 
 
 def load(run_dir: Path) -> dict[str, Any]:

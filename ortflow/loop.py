@@ -42,12 +42,6 @@ class LoopState:
 SaveCheckpoint = Callable[[LoopState], str]
 
 
-def forever(loader: Iterable) -> Iterator:
-    """Batches from `loader`, epoch after epoch (a DataLoader reshuffles each epoch with its generator)."""
-    while True:
-        yield from loader
-
-
 def evaluate(engine: Engine, loader: Iterable, max_batches: int | None) -> dict[str, float]:
     """Mean loss and accuracy over (up to max_batches of) the validation split."""
     total = EvalResult(0.0, 0, 0)

@@ -1,6 +1,7 @@
 """Run metadata: what ran, where, from which code, and how it ended. Written to <run dir>/run.json at the start
 (status "running"), and again when the run completes or fails, so even a crashed run leaves a record."""
 
+import json
 import os
 import platform
 import subprocess
@@ -83,3 +84,21 @@ def start_record(config: dict[str, Any], overrides: list[str], seed: int) -> dic
         "versions": versions(),
         "config": config,
     }
+
+
+def read_record(run_dir: Path) -> dict[str, Any] | None:
+    """The run.json in `run_dir`, or None when there is none or it cannot be read."""
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat |= flatten(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}")
+    return flat

@@ -13,6 +13,7 @@ from ortflow.accel.engine import Engine
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError
 from ortflow.loop import LoopState
+from ortflow.metadata import flatten
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +35,9 @@ def find(resume: str | None, checkpoints: Path) -> tuple[Path, dict[str, Any]] |
     return path, checkpoint.load(path)
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
-    return {prefix[:-1]: tree}
-
-
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """`key: saved -> current` for every setting that differs, apart from those a resume may change."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten(saved), flatten(current)
     keys = sorted(k for k in old.keys() | new.keys() if not k.startswith(_MAY_CHANGE))
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
@@ -104,19 +99,20 @@ class Checkpointer:
         self.config = config
 
     def __call__(self, state: LoopState) -> str:
-        payload = {
-            "format": checkpoint.FORMAT,
-            "version": checkpoint.VERSION,
-            "step": state.step,
-            "accel": self.accel,
-            "model": self.engine.model_state_dict(),
-            "optimizer": self.engine.optimizer_state(),
-            "rng": checkpoint.rng_state(),
-            "data": self.batches.state_dict(),
-            "loop": dataclasses.asdict(state),
-            "config": self.config,
-        }
-        payload["digest"] = checkpoint.digest(payload)
+        payload = checkpoint.seal(
+            {
+                "format": checkpoint.FORMAT,
+                "version": checkpoint.VERSION,
+                "step": state.step,
+                "accel": self.accel,
+                "model": self.engine.model_state_dict(),
+                "optimizer": self.engine.optimizer_state(),
+                "rng": checkpoint.rng_state(),
+                "data": self.batches.state_dict(),
+                "loop": dataclasses.asdict(state),
+                "config": self.config,
+            }
+        )
         path = checkpoint.step_path(self.directory, state.step)
         checkpoint.write_atomic(payload, path)
         checkpoint.prune(self.directory, self.keep)

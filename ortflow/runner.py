@@ -1,7 +1,6 @@
 """train(cfg): validate -> seed -> build data, model, engine -> loop -> write results. Nothing accel-specific
 lives here beyond picking the engine builder by name."""
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from ortflow.distributed import World
 from ortflow.errors import OrtflowError
 from ortflow.logging import RunLogger, write_json_atomic
 from ortflow.loop import train_loop
-from ortflow.metadata import now, start_record
+from ortflow.metadata import now, read_record, start_record
 from ortflow.resume import Checkpointer
 from ortflow.rundir import set_aside_previous_attempt
 from ortflow.seeding import seed_everything
@@ -82,13 +81,6 @@ def _config_dict(cfg: DictConfig) -> dict[str, Any]:
         return OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
 
 
-def _read_record(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _history(previous: dict[str, Any]) -> list[dict[str, Any]]:
     """Earlier attempts in this run dir, oldest first, each as its status, times, error and metrics."""
     keep = ("started", "finished", "status", "error", "command", "metrics", "resumed_from")
@@ -109,7 +101,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     overrides = list(overrides or [])
     world = distributed.world_from_env()  # every rank trains; only rank 0 writes files
     record = start_record(_config_dict(cfg), overrides, cfg.seed)
-    if previous := _read_record(run_dir):
+    if previous := read_record(run_dir):
         record["attempts"] = _history(previous)
     try:
         validate(cfg)  # the wrapper order included: before any process group starts

@@ -1,7 +1,6 @@
 """Sweep summary: after `ortflow -m ...`, one row per job at the sweep root (summary.csv, summary.md)."""
 
 import csv
-import json
 import logging
 import sys
 from pathlib import Path
@@ -11,6 +10,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
+
+from ortflow.metadata import read_record
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,7 @@ def job_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()), key=_job_key)
     rows = []
     for job in jobs:
-        try:
-            record = json.loads((job / "run.json").read_text())
-        except (OSError, ValueError):
-            record = {"status": "no record (the job did not start training)"}
+        record = read_record(job) or {"status": "no record (the job did not start training)"}
         metrics = record.get("metrics", {})
         rows.append(
             {

@@ -87,8 +87,7 @@ def _checkpoint_run(cwd: Path, accel: str) -> Path:
 
 
 def _resave(payload: dict, path: Path) -> None:
-    payload["digest"] = checkpoint.digest({k: v for k, v in payload.items() if k != "digest"})
-    torch.save(payload, path)
+    torch.save(checkpoint.seal(payload), path)
 
 
 @pytest.fixture(scope="module")
