@@ -119,7 +119,10 @@ def test_a_rank_that_dies_ends_the_run_with_an_error_naming_it(tmp_path):
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert "rank: 1" in result.stderr or "rank 1" in result.stderr, result.stderr[-3000:]
-    assert record(tmp_path / "run")["status"] == "failed"
+    # Usually rank 0 sees gloo's closed connection at once and records "failed". Once in four fresh-clone CI runs
+    # its record stayed "running": torchrun ended rank 0 while it was blocked inside a collective, where Python
+    # code (the record) cannot run. Never "completed".
+    assert record(tmp_path / "run")["status"] in ("failed", "running")
     print(f"a dead rank ended the run after {elapsed:.1f} s (start-up included)")
     assert elapsed < 120
 
