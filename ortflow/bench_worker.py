@@ -22,11 +22,11 @@ from ortflow.accel.engine import Engine, EvalResult, flat_cross_entropy
 from ortflow.config import register_configs
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
-from ortflow.logging import RunLogger
-from ortflow.loop import train_loop
+from ortflow.logger import RunLogger
 from ortflow.paths import config_dir
 from ortflow.runner import _build, build_engine
 from ortflow.seeding import seed_everything
+from ortflow.trainer import train_loop
 from ortflow.validate import validate
 
 # torch.compile is a reference point, not an accel mode: the eager engine around a compiled model.

@@ -9,8 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ortflow.loop import FINAL_METRICS
 from ortflow.metadata import flatten
+from ortflow.trainer import FINAL_METRICS
 
 METRICS = ("status", "executed_by", "steps", *FINAL_METRICS)
 _ABSENT = "<absent>"

@@ -16,7 +16,7 @@ from omegaconf import MISSING, SI
 # ----------------------------------------------------------------------------------------------------- model
 @dataclass
 class TransformerModelConfig:
-    _target_: str = "ortflow.models.transformer.build_transformer"
+    _target_: str = "ortflow.model.transformer.build_transformer"
     vocab_size: int = 256  # byte-level text data has 256 token ids
     d_model: int = 128
     nhead: int = 4
@@ -28,7 +28,7 @@ class TransformerModelConfig:
 
 @dataclass
 class MLPModelConfig:
-    _target_: str = "ortflow.models.mlp.build_mlp"
+    _target_: str = "ortflow.model.mlp.build_mlp"
     in_features: int = 64  # 8x8 digits
     num_classes: int = 10
     hidden: list[int] = field(default_factory=lambda: [128, 64])
@@ -56,48 +56,14 @@ class DigitsDataConfig:
     num_workers: int = 0
 
 
-# ----------------------------------------------------------------------------------------------------- accel
-class Fallback(Enum):
-    fail = "fail"  # stop with an error if ORT cannot run the model (ORT's own fallback disabled)
-    warn = "warn"  # let ORTModule fall back to PyTorch; ortflow logs it and records executed_by=pytorch
-
-
-@dataclass
-class NoneAccelConfig:
-    name: str = "none"
-
-
-@dataclass
-class ORTModuleAccelConfig:
-    name: str = "ortmodule"
-    fallback: Fallback = Fallback.fail
-    opset: int | None = None  # ONNX opset for ORTModule's export; null keeps ORTModule's default (17)
-    intra_op_threads: int | None = None  # ORT's intra-op threads; null = ORT's default (one per physical core)
-    # Idle ORT threads busy-wait for work by default. Under ORTModule, torch runs the optimizer and the glue between
-    # ORT's runs on the same cores, and spinning ORT threads slow it down: off measured 15% faster per step.
-    allow_spinning: bool = False
-    # Rewrite constant-index Gathers (MultiheadAttention's q/k/v split) as Slice before ORT builds the gradient:
-    # ORT's CPU GatherGrad was a third of the transformer's step. Off only to compare or to rule it out.
-    rewrite_gathers: bool = True
-
-
-@dataclass
-class ArtifactsAccelConfig:
-    name: str = "artifacts"
-    opset: int = 16  # must be <= 16: at 17 ORT's gradient builder breaks on LayerNormalization
-    intra_op_threads: int | None = None  # ORT's intra-op threads; null = ORT's default (one per physical core)
-    allow_spinning: bool = True  # ORT's default; everything runs inside ORT here, so nothing competes with it
-    rewrite_gathers: bool = True  # as for ortmodule: constant-index Gather -> Slice before gradient building
-
-
 # ----------------------------------------------------------------------------------------- single-shape groups
 @dataclass
 class DistributedConfig:
     """Process wrappers around the model, innermost first, and how the processes are started."""
 
-    name: str = "none"  # none | ddp | deepspeed
+    name: str = "none"  # none | ddp
     # Innermost first. `accel` marks where the accel mode's own wrapper (ORTModule) sits; the others are
-    # ddp (torch DistributedDataParallel), deepspeed, dp (torch.nn.DataParallel, refused with ORTModule).
+    # ddp (torch DistributedDataParallel) and dp (torch.nn.DataParallel, refused with ORTModule).
     wrappers: list[str] = field(default_factory=lambda: ["accel"])
     backend: str = "gloo"  # gloo on CPU (nccl needs GPUs)
     nproc_per_node: int = 1  # processes on this machine; > 1 and not under torchrun: ortflow starts torchrun itself
@@ -169,7 +135,6 @@ class TrainerConfig:
     eval_batches: int | None = None  # cap on validation batches per evaluation; null = the whole split
     log_every: int = 10  # steps between TensorBoard/terminal loss points
     grad_clip: float | None = None  # max global gradient norm; null = no clipping
-    device: str = "cpu"
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # null: a new run. auto: continue the latest valid checkpoint in this run dir (a fresh start if it has none).
     # A path: continue from that checkpoint file (any accel mode's checkpoint loads in any other).
@@ -201,18 +166,21 @@ class Config:
 
 
 # Per-option schemas live in the `schema/<group>` groups; an option's YAML pulls its schema in with
-# `- /schema/<group>/<option>@_here_`, so `ortflow --help` lists only the real options under <group>.
+# `- /schema/<group>/<option>@_here_`, so `ortflow --help` lists only the real options under <group>. Each accel
+# engine module declares its own (ortflow/accel/<mode>.py: Settings).
 _SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"transformer": TransformerModelConfig, "mlp": MLPModelConfig},
     "data": {"text": TextDataConfig, "digits": DigitsDataConfig},
-    "accel": {"none": NoneAccelConfig, "ortmodule": ORTModuleAccelConfig, "artifacts": ArtifactsAccelConfig},
 }
 
 
 def register_configs() -> None:
     """Register the schema with Hydra's ConfigStore (idempotent; call before composing)."""
+    from ortflow.accel import register_schemas
+
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for group, schemas in _SCHEMAS.items():
         for name, node in schemas.items():
             cs.store(group=f"schema/{group}", name=name, node=node)
+    register_schemas(cs)

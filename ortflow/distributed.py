@@ -1,8 +1,9 @@
 """Process wrappers around the model in the configured order, validated before any process group starts, and the
 process group, data sharding and cross-rank reductions under them.
 
-Order (innermost first) is `distributed.wrappers`; `accel` marks the accel mode's own wrapper (ORTModule). ORTModule
-must be innermost: DDP and DeepSpeed hook the parameters' gradients, which ORTModule produces from its ONNX graph.
+Order (innermost first) is `distributed.wrappers`; `accel` marks where the accel mode's own wrapper sits. What an
+engine allows around it (ORTModule innermost, no data parallelism in the artifacts engine) is that engine's own
+check (ortflow/accel/<mode>.py: problems); this module knows the wrappers, not the engines.
 """
 
 import os
@@ -17,8 +18,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ortflow.config import DistributedConfig
 
-WRAPPERS = ("accel", "ddp", "dp", "deepspeed")
-MULTI_PROCESS = ("ddp", "deepspeed")
+WRAPPERS = ("accel", "ddp", "dp")
+MULTI_PROCESS = ("ddp",)  # wrappers that run one process per replica (and need torchrun)
 BACKENDS = ("gloo", "nccl", "mpi")
 
 
@@ -49,17 +50,7 @@ def processes(cfg: DistributedConfig) -> int:
     return cfg.nproc_per_node * cfg.nnodes
 
 
-def _deepspeed_problem() -> str | None:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        return "distributed=deepspeed needs the deepspeed package (pip install deepspeed) and CUDA GPUs."
-    if not torch.cuda.is_available():
-        return "distributed=deepspeed needs CUDA GPUs; this machine has none. Use distributed=ddp (gloo) on CPU."
-    return "distributed=deepspeed: this build of ortflow trains on cpu only (trainer.device=cpu); use distributed=ddp."
-
-
-def problems(cfg: DistributedConfig, accel: str) -> list[str]:
+def problems(cfg: DistributedConfig) -> list[str]:
     """Everything wrong with the wrapper order and launch settings, each naming the key and the fix."""
     found = []
     wrappers = list(cfg.wrappers)
@@ -69,32 +60,12 @@ def problems(cfg: DistributedConfig, accel: str) -> list[str]:
     if wrappers.count("accel") != 1:
         return ["distributed.wrappers must name `accel` exactly once: where the accel mode's wrapper sits."]
     multi = [w for w in wrappers if w in MULTI_PROCESS]
-    inside = wrappers.index("accel")
-    if "dp" in wrappers and accel == "ortmodule":
-        found.append(
-            "distributed.wrappers has dp (torch.nn.DataParallel) with accel=ortmodule: DataParallel copies the "
-            "module into one replica per device on every forward, and ORTModule's ONNX Runtime session cannot be "
-            "replicated that way. Use distributed=ddp (DistributedDataParallel, one process per device) instead."
-        )
-    for w in multi:
-        if accel == "ortmodule" and wrappers.index(w) < inside:
-            found.append(
-                f"distributed.wrappers={wrappers} puts {w} inside ORTModule. ORTModule must be the innermost "
-                f"wrapper ({w} hooks the gradients ORTModule's graph produces); use distributed.wrappers=[accel,{w}]."
-            )
-    if multi and accel == "artifacts":
-        found.append(
-            f"accel=artifacts with {multi[0]}: ONNX Runtime's training API (artifacts) has no data parallelism (no "
-            "gradient all-reduce between processes). Use accel=ortmodule or accel=none with distributed=ddp."
-        )
-    if len(multi) > 1:
-        found.append(f"distributed.wrappers={wrappers}: use one of ddp and deepspeed, not both.")
+    if len(set(multi)) < len(multi):
+        found.append(f"distributed.wrappers={wrappers}: name each multi-process wrapper once.")
     if cfg.name != "none" and cfg.name not in wrappers:
         found.append(f"distributed={cfg.name} needs {cfg.name} in distributed.wrappers (e.g. [accel,{cfg.name}]).")
     if cfg.name == "none" and multi:
         found.append(f"distributed.wrappers has {multi[0]} but distributed=none; choose distributed={multi[0]}.")
-    if "deepspeed" in wrappers:
-        found.append(_deepspeed_problem())
     for key in ("nproc_per_node", "nnodes", "timeout_s"):
         if cfg[key] < 1:
             found.append(f"distributed.{key}={cfg[key]} must be >= 1.")

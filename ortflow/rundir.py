@@ -1,23 +1,39 @@
-"""A run dir holds one run: a new run never writes into an existing one, and a resumed or re-run one keeps what
-the earlier attempt wrote."""
+"""The one owner of a run dir: it finds, validates and restores the checkpoint a run continues from, writes the
+run's checkpoints, run.json (from "running" to how the run ended) and the history of earlier attempts, and keeps
+what an earlier attempt wrote. Only rank 0 writes; other ranks restore the same state and write nothing.
 
+The Hydra callback `RunDirGuard` refuses, before Hydra writes anything, a new run in a dir that holds a run.
+"""
+
+import dataclasses
 import logging
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
-from ortflow import distributed
+from ortflow import checkpoint, distributed
+from ortflow.accel.engine import Engine
+from ortflow.data.resumable import ResumableBatches
+from ortflow.distributed import World
+from ortflow.errors import OrtflowError
 from ortflow.launch import SHARED_RUN_DIR
+from ortflow.logger import write_json_atomic
+from ortflow.metadata import flatten, now, read_record, start_record
+from ortflow.trainer import LoopState
 
 log = logging.getLogger(__name__)
 
 # What a run writes into its dir, besides Hydra's own .hydra/ and log file.
 RUN_OUTPUTS = ("run.json", "metrics.jsonl", "tensorboard", "checkpoints", "onnx")
+# Settings that may change between a checkpoint and the run continuing it, without a warning.
+_MAY_CHANGE = ("trainer.resume", "trainer.max_steps", "trainer.checkpoint", "accel", "debug", "logger", "objective")
 
 
 def holds_a_run(run_dir: Path) -> bool:
@@ -25,8 +41,8 @@ def holds_a_run(run_dir: Path) -> bool:
 
 
 def set_aside_previous_attempt(run_dir: Path) -> None:
-    """A sweep job re-run in its old dir (after an interrupted sweep) keeps the earlier attempt's files, moved to
-    previous-attempt-N/, so that nothing is lost and the new attempt's logs do not mix with the old."""
+    """A run started again in its old dir without resuming (an interrupted sweep's job) keeps the earlier attempt's
+    files, moved to previous-attempt-N/, so that nothing is lost and the new attempt's logs do not mix with the old."""
     if not (run_dir / "run.json").exists():
         return
     n = 1 + sum(1 for _ in run_dir.glob("previous-attempt-*"))
@@ -36,6 +52,179 @@ def set_aside_previous_attempt(run_dir: Path) -> None:
         if (run_dir / name).exists():
             (run_dir / name).rename(target / name)
     log.info("an earlier attempt's outputs in %s were moved to %s", run_dir, target)
+
+
+def find_checkpoint(resume: str | None, checkpoints: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint `trainer.resume` names: None for a new run (or `auto` with no checkpoint yet)."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        checkpoint.remove_partial_writes(checkpoints)
+        found = checkpoint.latest_valid(checkpoints)
+        if found is None:
+            log.info("trainer.resume=auto: no checkpoint in %s yet; starting from step 0", checkpoints)
+        return found
+    path = Path(resume).expanduser().absolute()
+    return path, checkpoint.load(path)
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`key: saved -> current` for every setting that differs, apart from those a resume may change."""
+    old, new = flatten(saved), flatten(current)
+    keys = sorted(k for k in old.keys() | new.keys() if not k.startswith(_MAY_CHANGE))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def load_weights(model: nn.Module, payload: dict[str, Any], path: Path, max_steps: int) -> None:
+    """Put a checkpoint's weights into the torch model (before any engine is built around it)."""
+    if payload["step"] > max_steps:
+        raise OrtflowError(
+            f"checkpoint '{path}' is at step {payload['step']}, beyond trainer.max_steps={max_steps}; set "
+            f"trainer.max_steps to at least {payload['step']}."
+        )
+    try:
+        model.load_state_dict(payload["model"], strict=True)
+    except (RuntimeError, TypeError, AttributeError) as err:
+        details = "; ".join(line.strip() for line in str(err).splitlines()[1:4] if line.strip()) or str(err)
+        raise OrtflowError(
+            f"checkpoint '{path}' does not fit this model ({details}). Use the model settings it was written with "
+            "(they are in that run's .hydra/config.yaml)."
+        ) from None
+
+
+def _history(previous: dict[str, Any]) -> list[dict[str, Any]]:
+    """Earlier attempts in this run dir, oldest first, each as its status, times, error and metrics."""
+    keep = ("started", "finished", "status", "error", "command", "metrics", "resumed_from")
+    return [*previous.get("attempts", []), {k: previous[k] for k in keep if k in previous}]
+
+
+class RunDir:
+    """One run dir and everything in it that outlives the process: run.json, the attempts history, checkpoints.
+
+    Use: `open()` once validation passed (finds the checkpoint to continue from and records the run as running),
+    `start(model, make_engine, batches)` to get the engine and the loop state (fresh or restored), `save` as the
+    loop's checkpoint callback, `finish(...)` when the run ends however it ends.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        config: dict[str, Any],
+        overrides: list[str],
+        seed: int,
+        world: World | None = None,
+    ) -> None:
+        self.path = path
+        self.checkpoints = path / "checkpoints"
+        self.config = config
+        self.world = world or World()
+        self.record = start_record(config, overrides, seed)
+        self.previous = read_record(path)
+        if self.previous:
+            self.record["attempts"] = _history(self.previous)
+        self.source: tuple[Path, dict[str, Any]] | None = None
+        self.keep: int | None = None
+        self._engine: Engine | None = None
+        self._batches: ResumableBatches | None = None
+
+    @property
+    def writes(self) -> bool:
+        return self.world.is_main
+
+    def _write_record(self) -> None:
+        if self.writes:
+            write_json_atomic(self.path / "run.json", self.record)
+
+    def open(self, resume: str | None, keep: int | None, world: World | None = None) -> None:
+        """Find and check the checkpoint `resume` names, and record this attempt as running. A new run in a dir
+        that holds an earlier attempt's outputs (re-run sweep job) moves them aside first."""
+        self.world = world or self.world
+        self.keep = keep
+        self.source = find_checkpoint(resume, self.checkpoints)
+        if self.writes and self.source is None and self.previous:
+            set_aside_previous_attempt(self.path)
+            self.record.pop("attempts", None)  # moved along with the earlier run.json
+        self._write_record()
+
+    def start(
+        self,
+        model: nn.Module,
+        make_engine: Callable[[nn.Module], Engine],
+        batches: ResumableBatches,
+        max_steps: int,
+    ) -> tuple[Engine, LoopState | None]:
+        """The engine around `model` and the loop state to continue from (None for a fresh run): a resumed run gets
+        the checkpoint's weights before the engine is built, then its optimizer state, data position, RNG states
+        and loop counters."""
+        if self.source is not None:
+            path, payload = self.source
+            load_weights(model, payload, path, max_steps)
+        engine = make_engine(model)
+        self._engine, self._batches = engine, batches
+        if self.source is None:
+            return engine, None
+        path, payload = self.source
+        restored = engine.load_optimizer_state(payload["optimizer"])
+        if not restored:
+            log.warning(
+                "checkpoint %s was written by accel=%s: its weights are loaded, but its optimizer state is kept in "
+                "another runtime's form, so the optimizer starts fresh",
+                path,
+                payload["accel"],
+            )
+        batches.load_state_dict(payload["data"])
+        if not batches.exact:
+            log.warning("the training DataLoader has no generator: the batch order after resuming is not reproduced")
+        state = LoopState(**payload["loop"])
+        checkpoint.set_rng_state(payload["rng"])
+        changes = config_differences(payload["config"], self.config)
+        if changes:
+            log.warning("settings that differ from the checkpoint's: %s", "; ".join(changes))
+        self.record["resumed_from"] = {
+            "checkpoint": str(path),
+            "step": state.step,
+            "written_by_accel": payload["accel"],
+            "optimizer_restored": restored,
+            "config_changes": changes,
+        }
+        log.info("resumed from %s at step %d (written by accel=%s)", path, state.step, payload["accel"])
+        return engine, state
+
+    def save(self, state: LoopState) -> str:
+        """The loop's checkpoint callback: the run's full state to checkpoints/step-NNNNNNNN.pt (rank 0 only; the
+        other ranks hold the same state), pruned to the newest `keep`. Returns the checkpoint's path."""
+        path = checkpoint.step_path(self.checkpoints, state.step)
+        if not self.writes:
+            return str(path)
+        assert self._engine is not None and self._batches is not None, "save() before start()"
+        payload = checkpoint.seal(
+            {
+                "format": checkpoint.FORMAT,
+                "version": checkpoint.VERSION,
+                "step": state.step,
+                "accel": self._engine.name,
+                "model": self._engine.model_state_dict(),
+                "optimizer": self._engine.optimizer_state(),
+                "rng": checkpoint.rng_state(),
+                "data": self._batches.state_dict(),
+                "loop": dataclasses.asdict(state),
+                "config": self.config,
+            }
+        )
+        checkpoint.write_atomic(payload, path)
+        checkpoint.prune(self.checkpoints, self.keep)
+        log.info("checkpoint %s", path)
+        return str(path)
+
+    def write_final(self, weights: dict[str, Any]) -> None:
+        """The final weights alone, loadable with torch.load + model.load_state_dict (no ortflow needed)."""
+        if self.writes:
+            checkpoint.write_atomic(weights, self.checkpoints / "final.pt")
+
+    def finish(self, status: str, **fields: Any) -> None:
+        """Record how the run ended ("completed", "failed", "preempted") with the given fields."""
+        self.record |= {"status": status, "finished": now(), **fields}
+        self._write_record()
 
 
 class RunDirGuard(Callback):

@@ -11,11 +11,7 @@ import random
 import numpy as np
 import torch
 
-
-def _set_ort_seed(seed: int) -> None:
-    from onnxruntime.capi import _pybind_state
-
-    _pybind_state.set_seed(seed)
+from ortflow.accel.compat import set_ort_seed
 
 
 def seed_everything(seed: int) -> None:
@@ -23,11 +19,11 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    _set_ort_seed(seed)
+    set_ort_seed(seed)
 
 
 def seed_step(seed: int, step: int, rank: int = 0) -> None:
     """Seed torch's and ORT's generators for training step `step` (a distinct stream per step and rank)."""
     step_seed = (seed * 1_000_003 + step + rank * 1_000_000_007) % 2**63
     torch.manual_seed(step_seed)
-    _set_ort_seed(step_seed)
+    set_ort_seed(step_seed)

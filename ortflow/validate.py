@@ -1,7 +1,8 @@
 """Cross-field rules checked once at start-up, all reported together, each naming the key and the fix.
 
 Single-key types and allowed keys are the schema's job (ortflow/config.py); this module holds the rules that
-involve several groups (accel x optim x debug x trainer x data).
+involve several groups (trainer x scheduler x data x model), and asks the chosen engine (ortflow/accel) and the
+distributed settings (ortflow/distributed.py) for their own rules.
 """
 
 import dataclasses
@@ -9,12 +10,10 @@ import dataclasses
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from ortflow import distributed
-from ortflow.accel.compat import MAX_ARTIFACTS_OPSET
+from ortflow import accel, distributed
 from ortflow.errors import collect
-from ortflow.loop import FINAL_METRICS
+from ortflow.trainer import FINAL_METRICS
 
-ACCEL_NAMES = ("none", "ortmodule", "artifacts")
 OBJECTIVES = FINAL_METRICS
 
 
@@ -50,28 +49,11 @@ def problems(cfg: DictConfig) -> list[str]:
     ]
     if found:
         return found  # the rules below read these keys
-    accel, trainer, data = cfg.accel.name, cfg.trainer, cfg.data
-    if accel not in ACCEL_NAMES:
-        found.append(f"accel.name={accel!r} is not one of {ACCEL_NAMES}; choose the mode with accel=<mode>.")
-    if accel == "artifacts":
-        if cfg.accel.opset > MAX_ARTIFACTS_OPSET:
-            found.append(
-                f"accel.opset={cfg.accel.opset}: artifacts need opset <= {MAX_ARTIFACTS_OPSET} (at 17 ORT's "
-                "gradient builder breaks on LayerNormalization)."
-            )
-        if cfg.optim.name.value == "sgd" and (cfg.optim.momentum or cfg.optim.weight_decay):
-            found.append(
-                "optim.momentum/optim.weight_decay: ORT's SGD graph (accel=artifacts) has neither; set both to 0 "
-                "or use optim=adamw."
-            )
-    if accel != "ortmodule" and (cfg.debug.save_onnx or cfg.debug.log_level.value != "WARNING"):
-        found.append(
-            f"debug: ORTModule debug options apply to accel=ortmodule only, not accel={accel}; use debug=off "
-            "(accel=artifacts always writes its ONNX files to <run dir>/onnx/)."
-        )
+    trainer, data = cfg.trainer, cfg.data
+    found += accel.problems(cfg)
     if cfg.objective not in OBJECTIVES:
         found.append(f"objective={cfg.objective!r} is not a metric ortflow reports; choose one of {OBJECTIVES}.")
-    found += distributed.problems(cfg.distributed, accel)
+    found += distributed.problems(cfg.distributed)
     for key in ("max_steps", "log_every"):
         if trainer[key] < 1:
             found.append(f"trainer.{key}={trainer[key]} must be >= 1.")
@@ -89,10 +71,6 @@ def problems(cfg: DictConfig) -> list[str]:
         found.append(f"trainer.max_skipped_steps={trainer.max_skipped_steps} must be >= 0.")
     if trainer.resume is not None and not trainer.resume.strip():
         found.append("trainer.resume is empty; use trainer.resume=auto, a checkpoint path, or leave it out.")
-    if trainer.device != "cpu":
-        found.append(
-            f"trainer.device={trainer.device}: this build of ortflow (onnxruntime-training-cpu) trains on cpu only."
-        )
     if cfg.optim.lr <= 0:
         found.append(f"optim.lr={cfg.optim.lr} must be > 0.")
     if cfg.scheduler.name.value != "constant" and cfg.scheduler.warmup_steps >= trainer.max_steps:
@@ -107,7 +85,7 @@ def problems(cfg: DictConfig) -> list[str]:
         found.append(f"data.block_size={data.block_size} must be >= 1.")
     is_text = "_target_" in data and data._target_.endswith("build_text_data")
     model_target = cfg.model.get("_target_", "")
-    if is_text and model_target == "ortflow.models.mlp.build_mlp":
+    if is_text and model_target == "ortflow.model.mlp.build_mlp":
         found.append(
             "model=mlp takes 64 float features per sample (data=digits), but data=text gives token ids; use "
             "model=transformer with data=text, or data=digits with model=mlp."

@@ -37,9 +37,7 @@ def test_every_group_option_composes(override):
     }
     cfg = make_cfg(override, *extra.get(group, []), *extra.get(override, []))
     assert cfg[group] is not None
-    if override == "distributed=deepspeed":  # needs the deepspeed package and CUDA GPUs, and says so
-        assert any("deepspeed" in p and "GPU" in p for p in problems(cfg))
-    elif not (group == "scheduler" and cfg.scheduler.warmup_steps >= cfg.trainer.max_steps):
+    if not (group == "scheduler" and cfg.scheduler.warmup_steps >= cfg.trainer.max_steps):
         assert problems(cfg) == []
 
 
@@ -55,7 +53,7 @@ def test_every_hparams_search_composes_with_its_sweeper(search):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_composes_and_validates_with_every_accel(recipe, accel):
     cfg = make_cfg(f"+recipe={recipe}", f"accel={accel}")
-    assert cfg.accel.name == accel
+    assert cfg.accel._target_ == f"ortflow.accel.{accel}.build"
     validate(cfg)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ortflow import distributed
+from ortflow import accel, distributed
 from tests.conftest import USER_ENV, custom_model, make_cfg, run_cli
 
 # dropout=0 and a constant LR: the 1-process and 2-process runs then compute the same thing in another order.
@@ -36,7 +36,7 @@ RTOL_LOSS = 1e-5
 
 def problems(*overrides: str) -> list[str]:
     cfg = make_cfg(*overrides)
-    return distributed.problems(cfg.distributed, cfg.accel.name)
+    return distributed.problems(cfg.distributed) + accel.problems(cfg)  # the wrappers' rules and the engine's
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def problems(*overrides: str) -> list[str]:
         (["accel=ortmodule", "distributed.wrappers=[accel,dp]"], "Use distributed=ddp"),
         (["accel=ortmodule", "distributed=ddp", "distributed.wrappers=[ddp,accel]"], "innermost"),
         (["accel=artifacts", "distributed=ddp"], "no data parallelism"),
-        (["distributed=deepspeed"], "deepspeed"),
+        (["distributed.wrappers=[accel,deepspeed]"], "unknown ['deepspeed']"),
         (["distributed.nproc_per_node=2"], "need a multi-process wrapper"),
         (["distributed=ddp", "distributed.wrappers=[accel]"], "needs ddp in distributed.wrappers"),
         (["distributed=ddp", "distributed.backend=nccl"], "needs CUDA GPUs"),

@@ -8,16 +8,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ortflow.accel import compat
-from ortflow.accel.artifacts import ArtifactsEngine
-from ortflow.accel.eager import EagerEngine
-from ortflow.accel.engine import IGNORE_INDEX, WithLoss, pad_batch
-from ortflow.accel.ortmodule import ORTModuleEngine
-from ortflow.config import ArtifactsAccelConfig, DebugConfig, OptimConfig, ORTModuleAccelConfig
+from ortflow import accel
+from ortflow.accel.engine import IGNORE_INDEX, EngineContext, WithLoss, pad_batch
+from ortflow.config import DebugConfig, OptimConfig
 from ortflow.data.text import build_text_data
-from ortflow.loop import evaluate
-from ortflow.models.mlp import build_mlp
-from ortflow.models.transformer import build_transformer
+from ortflow.model.mlp import build_mlp
+from ortflow.model.transformer import build_transformer
+from ortflow.trainer import evaluate
+from tests.conftest import make_cfg
 
 STEPS = 10
 # Tolerances, from measured differences (dropout=0, 10 AdamW steps, same seed and batches):
@@ -46,14 +44,13 @@ def batches(data):
     return list(itertools.islice(iter(data.train), STEPS))
 
 
-def make_engine(kind: str, dropout: float, example, tmp: Path, model: torch.nn.Module | None = None):
+def make_engine(kind: str, dropout: float, example, tmp: Path, model: torch.nn.Module | None = None, **settings):
+    """An engine built as the runner builds it: from conf/accel/<kind>.yaml and an EngineContext."""
     model = model if model is not None else tiny_model(dropout)
-    if kind == "eager":
-        return EagerEngine.from_model(model, optim, None)
-    if kind == "ortmodule":
-        accel = OmegaConf.structured(ORTModuleAccelConfig)
-        return ORTModuleEngine(model, optim, None, accel, OmegaConf.structured(DebugConfig), tmp / "onnx")
-    return ArtifactsEngine(model, example, optim, None, OmegaConf.structured(ArtifactsAccelConfig), tmp / "onnx")
+    mode = "none" if kind == "eager" else kind
+    cfg = make_cfg(f"accel={mode}", *(f"accel.{key}={value}" for key, value in settings.items()))
+    ctx = EngineContext(model, example, optim, debug=OmegaConf.structured(DebugConfig), onnx_dir=tmp / "onnx")
+    return accel.build(cfg.accel, ctx)
 
 
 def losses(engine, batches) -> list[float]:
@@ -63,24 +60,23 @@ def losses(engine, batches) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "rtol"), [("ortmodule", RTOL_ORTMODULE), ("artifacts", RTOL_ARTIFACTS)])
 def test_loss_parity_with_eager_without_dropout(kind, rtol, batches, tmp_path):
-    eager = losses(make_engine("eager", 0.0, batches[0][0], tmp_path / "e"), batches)
-    before = compat.ORT_RUNS.snapshot()
-    engine = make_engine(kind, 0.0, batches[0][0], tmp_path / kind)
+    eager = losses(make_engine("eager", 0.0, batches[0], tmp_path / "e"), batches)
+    engine = make_engine(kind, 0.0, batches[0], tmp_path / kind)
     ort = losses(engine, batches)
     torch.testing.assert_close(torch.tensor(ort), torch.tensor(eager), rtol=rtol, atol=0)
     # Identical bits on every step would mean PyTorch ran the model; ORT's kernels round differently.
     assert ort != eager
     if kind == "ortmodule":
-        after = compat.ORT_RUNS.snapshot()
-        assert after[0] - before[0] == STEPS and after[1] - before[1] == STEPS  # ORT forward + backward runs
+        forward, backward, _ = engine.runs.snapshot()
+        assert forward == STEPS and backward == STEPS  # this engine's own ORT forward + backward runs
         assert engine.describe()["executed_by"] == "onnxruntime"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
 def test_the_seed_model_with_default_dropout_trains_in_ort(kind, batches, tmp_path):
-    eager = losses(make_engine("eager", 0.1, batches[0][0], tmp_path / "e"), batches)
-    engine = make_engine(kind, 0.1, batches[0][0], tmp_path / kind)
+    eager = losses(make_engine("eager", 0.1, batches[0], tmp_path / "e"), batches)
+    engine = make_engine(kind, 0.1, batches[0], tmp_path / kind)
     ort = losses(engine, batches)
     assert engine.describe()["executed_by"] == "onnxruntime"
     assert engine.describe()["ort_train_steps"] == STEPS
@@ -94,8 +90,8 @@ def test_the_seed_model_with_default_dropout_trains_in_ort(kind, batches, tmp_pa
 def test_eval_with_a_partial_last_batch_matches_eager_and_keeps_training_in_ort(kind, data, batches, tmp_path):
     # 13 validation windows in batches of 8: the second batch is partial (5 rows).
     val = torch.utils.data.DataLoader(torch.utils.data.Subset(data.val.dataset, range(13)), batch_size=8)
-    eager = make_engine("eager", 0.1, batches[0][0], tmp_path / "e")
-    engine = make_engine(kind, 0.1, batches[0][0], tmp_path / kind)
+    eager = make_engine("eager", 0.1, batches[0], tmp_path / "e")
+    engine = make_engine(kind, 0.1, batches[0], tmp_path / kind)
     for e in (eager, engine):
         e.train_step(*batches[0])
     expected, got = evaluate(eager, val, None), evaluate(engine, val, None)
@@ -125,8 +121,7 @@ def test_ortmodule_fallback_fail_stops_and_warn_records_pytorch(tmp_path, batche
 
     x, y = batches[0]
     for fallback, expect_error in (("fail", True), ("warn", False)):
-        accel = OmegaConf.merge(OmegaConf.structured(ORTModuleAccelConfig), {"fallback": fallback})
-        engine = ORTModuleEngine(Unexportable(), optim, None, accel, OmegaConf.structured(DebugConfig), tmp_path)
+        engine = make_engine("ortmodule", 0.0, (x, y), tmp_path / fallback, model=Unexportable(), fallback=fallback)
         if expect_error:
             with pytest.raises(OrtflowError, match=r"cannot be exported.*accel\.fallback=warn"):
                 engine.train_step(x, y)
@@ -142,14 +137,14 @@ def test_ortmodule_fallback_fail_stops_and_warn_records_pytorch(tmp_path, batche
 def test_trained_weights_carry_over_between_engines_by_torch_names(source, target, batches, tmp_path):
     """What checkpoint conversion rests on: any engine's weights, loaded into the torch model, give another engine
     the same model; the optimizer state carries over only between the two torch.optim engines."""
-    first = make_engine(source, 0.1, batches[0][0], tmp_path / "a")
+    first = make_engine(source, 0.1, batches[0], tmp_path / "a")
     losses(first, batches[:5])
     weights = first.model_state_dict()
     fresh = tiny_model(0.1)
     assert set(weights) == set(fresh.state_dict())
     assert not torch.equal(weights["fc.weight"], fresh.state_dict()["fc.weight"])  # training changed them
     fresh.load_state_dict(weights, strict=True)
-    second = make_engine(target, 0.1, batches[0][0], tmp_path / "b", model=fresh)
+    second = make_engine(target, 0.1, batches[0], tmp_path / "b", model=fresh)
     x, y = batches[5]
     expected, got = first.eval_step(x, y), second.eval_step(x, y)
     assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-5)
@@ -164,7 +159,7 @@ def test_a_non_finite_loss_leaves_weights_and_optimizer_untouched(kind, tmp_path
     torch.manual_seed(0)
     model = build_mlp(in_features=64, num_classes=10, hidden=[16])
     x, y = torch.rand(8, 64), torch.randint(0, 10, (8,))
-    engine = make_engine(kind, 0.0, x, tmp_path, model=model)
+    engine = make_engine(kind, 0.0, (x, y), tmp_path, model=model)
     engine.train_step(x, y)
     before = engine.model_state_dict()
     bad = x.clone()

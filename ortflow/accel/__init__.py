@@ -1,1 +1,91 @@
-"""Acceleration engines: `none` (eager PyTorch), `ortmodule` and `artifacts`, behind one Engine protocol."""
+"""Accel modes as plugins: `conf/accel/<mode>.yaml` names its engine builder with `_target_`, and the module that
+builder lives in is the whole engine.
+
+An engine module provides:
+    NAME      the mode's name (recorded in run.json and checkpoints),
+    build     `build(ctx: EngineContext, **settings) -> Engine`, where settings are the yaml's other keys,
+    Settings  (optional) the dataclass schema of those keys, registered as `schema/accel/<NAME>`,
+    problems  (optional) `problems(cfg) -> list[str]`: every reason the whole config cannot run on this engine
+              (optimizer, debug options, distributed wrappers, ...), each naming the key to change.
+
+The runner, loop, validation and distributed code never name a mode; they go through the functions below. A new
+engine is one module plus one yaml file (found through `hydra.searchpath` when it lives outside ortflow).
+"""
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ortflow.accel.engine import Engine, EngineContext
+from ortflow.errors import OrtflowError
+
+# The engines shipped with ortflow (their yaml files are conf/accel/<name>.yaml).
+BUILTIN = ("ortflow.accel.none", "ortflow.accel.ortmodule", "ortflow.accel.artifacts")
+
+
+def engine_module(accel: DictConfig) -> ModuleType:
+    """The module holding the builder that `accel._target_` names.
+
+    Raises:
+        OrtflowError: the target is missing, cannot be imported, or its module is not an engine module.
+    """
+    target = accel.get("_target_") if isinstance(accel, DictConfig) else None
+    if not isinstance(target, str) or "." not in target:
+        raise OrtflowError(
+            "accel._target_ must name an engine builder (e.g. ortflow.accel.ortmodule.build); choose the mode with "
+            "accel=<mode>."
+        )
+    module_name, _, function = target.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise OrtflowError(f"accel._target_={target}: module '{module_name}' cannot be imported ({err}).") from None
+    if not callable(getattr(module, function, None)) or not isinstance(getattr(module, "NAME", None), str):
+        raise OrtflowError(
+            f"accel._target_={target} is not an engine builder: its module needs a NAME string and a callable "
+            f"'{function}(ctx, **settings)' (see ortflow/accel/__init__.py)."
+        )
+    return module
+
+
+def mode_name(accel: DictConfig) -> str:
+    """The accel mode's name, as its engine module declares it."""
+    return engine_module(accel).NAME
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    """Everything that keeps `cfg` from running on the engine it names (the engine's own checks)."""
+    try:
+        module = engine_module(cfg.accel)
+    except OrtflowError as err:
+        return [str(err)]
+    settings = getattr(module, "Settings", None)
+    schema = OmegaConf.get_type(cfg.accel)
+    if settings is not None and schema is not None and schema is not dict and schema is not settings:
+        return [
+            f"accel._target_={cfg.accel._target_} names the {module.NAME} engine, but the accel keys are those of "
+            f"{schema.__name__}: choose the mode with accel={module.NAME} instead of changing accel._target_."
+        ]
+    check = getattr(module, "problems", None)
+    return list(check(cfg)) if check is not None else []
+
+
+def settings_of(accel: DictConfig) -> dict[str, Any]:
+    """The engine's own settings: the accel node's keys apart from `_target_`."""
+    return {key: accel[key] for key in accel if key != "_target_"}
+
+
+def build(accel: DictConfig, ctx: EngineContext) -> Engine:
+    """Instantiate the engine `accel` names: `build(ctx, **settings)` of its module."""
+    module = engine_module(accel)
+    builder = getattr(module, accel._target_.rpartition(".")[2])
+    return builder(ctx, **settings_of(accel))
+
+
+def register_schemas(store: Any) -> None:
+    """Register each built-in engine's Settings as `schema/accel/<NAME>` in Hydra's ConfigStore."""
+    for name in BUILTIN:
+        module = importlib.import_module(name)
+        store.store(group="schema/accel", name=module.NAME, node=module.Settings)

@@ -2,25 +2,72 @@
 
 Loss, gradients and the optimizer all run inside ORT. The artifacts (forward.onnx, training/eval/optimizer
 models, checkpoint) are written to <run dir>/onnx/. Final weights come back as a torch state_dict under the
-original parameter names.
+original parameter names. Owns its config checks (opset range, what ORT's optimizer graphs support, no
+multi-process wrappers) and its own ORT session settings.
 """
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 from ortflow.accel import compat
-from ortflow.accel.engine import IGNORE_INDEX, EvalResult, eval_sums, pad_batch
-from ortflow.config import ArtifactsAccelConfig, OptimConfig, OptimName
+from ortflow.accel.engine import IGNORE_INDEX, EngineContext, EvalResult, eval_sums, pad_batch
+from ortflow.accel.none import debug_problems
+from ortflow.config import OptimConfig, OptimName
+from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
 
 log = logging.getLogger(__name__)
+
+NAME = "artifacts"
+MIN_OPSET = 14  # the lowest opset ORT's training graphs (SoftmaxCrossEntropyLoss, LayerNormalization grads) build at
+
+
+@dataclass
+class Settings:
+    """conf/accel/artifacts.yaml."""
+
+    _target_: str = "ortflow.accel.artifacts.build"
+    opset: int = compat.MAX_ARTIFACTS_OPSET  # at 17 ORT's gradient builder breaks on LayerNormalization
+    intra_op_threads: int | None = None  # ORT's intra-op threads; null = ORT's default (one per physical core)
+    allow_spinning: bool = True  # ORT's default; everything runs inside ORT here, so nothing competes with it
+    rewrite_gathers: bool = True  # as for ortmodule: constant-index Gather -> Slice before gradient building
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    found = debug_problems(cfg, NAME)
+    opset = cfg.accel.opset
+    if not MIN_OPSET <= opset <= compat.MAX_ARTIFACTS_OPSET:
+        found.append(
+            f"accel.opset={opset}: artifacts need {MIN_OPSET} <= opset <= {compat.MAX_ARTIFACTS_OPSET} (below "
+            f"{MIN_OPSET} ORT's training graph cannot be built; at 17 ORT's gradient builder breaks on "
+            "LayerNormalization)."
+        )
+    if cfg.optim.name == OptimName.sgd and (cfg.optim.momentum or cfg.optim.weight_decay):
+        found.append(
+            "optim.momentum/optim.weight_decay: ORT's SGD graph (accel=artifacts) has neither; set both to 0 "
+            "or use optim=adamw."
+        )
+    multi = [w for w in cfg.distributed.wrappers if w in MULTI_PROCESS]
+    if multi:
+        found.append(
+            f"accel=artifacts with {multi[0]}: ONNX Runtime's training API (artifacts) has no data parallelism (no "
+            "gradient all-reduce between processes). Use accel=ortmodule or accel=none with distributed=ddp."
+        )
+    return found
+
+
+def build(ctx: EngineContext, **settings: Any) -> "ArtifactsEngine":
+    return ArtifactsEngine(ctx, Settings(**settings))
+
 
 _PREFIX = "model."  # FlatLogits stores the user's model as `.model`, so its initializers carry this prefix
 
@@ -51,29 +98,20 @@ def _optimizer_block(optim: OptimConfig, grad_clip: float | None):
 class ArtifactsEngine:
     """Trains through onnxruntime.training.api's CheckpointState, Module and Optimizer."""
 
-    name = "artifacts"
+    name = NAME
 
-    def __init__(
-        self,
-        model: nn.Module,
-        example_inputs: torch.Tensor,
-        optim: OptimConfig,
-        grad_clip: float | None,
-        accel: ArtifactsAccelConfig,
-        onnx_dir: Path,
-    ) -> None:
-        """
-        Args:
-            model: the torch model; its current weights become the initial weights.
-            example_inputs: one training batch of inputs; its shape is the shape ORT trains on.
-        """
+    def __init__(self, ctx: EngineContext, accel: Settings) -> None:
+        """ctx.model's current weights become the initial weights; ctx.example's shape is the one ORT trains on."""
+        compat.require_supported_versions()
         import onnxruntime
         from onnxruntime.training import artifacts, onnxblock
 
         onnxruntime.set_default_logger_severity(3)  # ORT's graph-transformer chatter is INFO; keep errors only
 
+        model, optim, grad_clip, onnx_dir = ctx.model, ctx.optim, ctx.grad_clip, ctx.onnx_dir
+        example_inputs = ctx.example[0]
         self.model = model
-        self.batch_size = example_inputs.size(0)
+        self.batch_size = ctx.batch_size
         onnx_dir.mkdir(parents=True, exist_ok=True)
         forward_path = onnx_dir / "forward.onnx"
         model.train()

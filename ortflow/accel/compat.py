@@ -1,14 +1,19 @@
-"""Everything that depends on the torch version or on onnxruntime-training internals, in one place.
+"""Everything that depends on the torch version or on onnxruntime-training internals, in one place: the only
+door to private torch and ORT APIs.
 
-Supporting another torch or ORT version means revisiting this module only. Each patch below fixes one measured
-failure of ORTModule 1.19.2 with torch 2.6 on the seed TransformerModel; each is applied once, idempotently.
+Supporting another torch or ORT version means revisiting this module only. It checks the versions it was written
+for (`require_supported_versions`) before any patch is applied or any export starts. Each patch below fixes one
+measured failure of ORTModule 1.19.2 with torch 2.6 on the seed TransformerModel; each is applied once,
+idempotently, and reads the settings of the engine that is running (no process-wide engine settings).
 """
 
 import contextlib
+import contextvars
 import logging
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,17 +26,62 @@ log = logging.getLogger(__name__)
 # ORT 1.19 reads ONNX IR <= 10, and its gradient builder mishandles LayerNormalization at opset 17.
 MAX_ARTIFACTS_OPSET = 16
 
+# The versions this module's patches were written for and tested with: (lowest, highest) major.minor, inclusive.
+SUPPORTED = {"torch": ((2, 4), (2, 6)), "onnxruntime-training": ((1, 19), (1, 19)), "onnx": ((1, 16), (1, 16))}
+# Set to 1 to run on versions outside SUPPORTED anyway (run.json then records "untested_versions").
+ALLOW_UNTESTED = "ORTFLOW_ALLOW_UNTESTED_VERSIONS"
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def installed_versions() -> dict[str, str]:
+    import onnxruntime
+
+    return {"torch": torch.__version__, "onnxruntime-training": onnxruntime.__version__, "onnx": onnx.__version__}
+
+
+def untested_versions() -> dict[str, str]:
+    """The installed packages whose version lies outside SUPPORTED, as {package: version}."""
+    found = {}
+    for package, version in installed_versions().items():
+        low, high = SUPPORTED[package]
+        if not low <= _major_minor(version) <= high:
+            found[package] = version
+    return found
+
+
+def require_supported_versions() -> None:
+    """Refuse, in one paragraph, a torch / onnxruntime-training / onnx combination these patches were not written
+    for (unless ORTFLOW_ALLOW_UNTESTED_VERSIONS=1): a patch that silently stops applying would train wrongly or
+    let ORTModule fall back to PyTorch unnoticed."""
+    untested = untested_versions()
+    if not untested or os.environ.get(ALLOW_UNTESTED) == "1":
+        if untested:
+            log.warning("running on untested versions %s (%s=1)", untested, ALLOW_UNTESTED)
+        return
+    from ortflow.errors import OrtflowError
+
+    def span(package: str) -> str:
+        (a, b), (c, d) = SUPPORTED[package]
+        return f"{package} {a}.{b}" + ("" if (a, b) == (c, d) else f" to {c}.{d}")
+
+    raise OrtflowError(
+        "the ORT engines were written and tested for "
+        + ", ".join(span(p) for p in SUPPORTED)
+        + "; installed: "
+        + ", ".join(f"{p} {v}" for p, v in installed_versions().items())
+        + f" ({', '.join(untested)} outside that range). Install the pinned stack (pip install -e . in a fresh "
+        f"venv), use accel=none, or set {ALLOW_UNTESTED}=1 to try anyway (run.json then records it)."
+    )
+
 
 # ----------------------------------------------------------------------------------------------- torch side
-def disable_transformer_fastpath() -> None:
-    """Keep nn.TransformerEncoderLayer off torch's fused inference kernel.
-
-    In eval mode under no_grad the layer calls `torch._transformer_encoder_layer_fwd`, which the ONNX exporter
-    cannot export: ORTModule's eval export fails, falls back to PyTorch, and training stays there afterwards.
-    """
-    torch.backends.mha.set_fastpath_enabled(False)
-
-
 def export_training_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
     """torch.onnx.export in training mode as ORT's training-artifacts flow expects: parameters kept as
     initializers named like the torch state_dict, no constant folding, dropout kept live.
@@ -128,7 +178,7 @@ def prepare_training_graph(model: onnx.ModelProto, rewrite_gathers: bool = True)
 
 
 class OrtRunCounter:
-    """Counts ORT's own session runs inside ORTModule: proof that ORT, not PyTorch, executed a step."""
+    """Counts ORT's own session runs inside one ORTModule engine: proof that ORT, not PyTorch, executed a step."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -144,10 +194,25 @@ class OrtRunCounter:
         return self.forward, self.backward, self.inference
 
 
-ORT_RUNS = OrtRunCounter()
+@dataclass(frozen=True)
+class SessionSettings:
+    """One engine's ORT session settings (ORTModule has no option for them; ortflow applies them itself)."""
+
+    intra_op_threads: int | None = None  # None: ORT's default (one per physical core)
+    allow_spinning: bool = True  # ORT's default
+    rewrite_gathers: bool = True  # constant-index Gather -> Slice before the gradient is built
+
+
+@dataclass
+class _Scope:
+    settings: SessionSettings
+    runs: OrtRunCounter
+
+
+# The engine whose ORTModule is running in this thread right now (set around each of its calls by `ortmodule_scope`):
+# ORT's patched methods read its settings and count into its counter, so engines in one process never mix.
+_ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("ortflow_ortmodule_scope", default=None)
 _patched = False
-# Settings for the ORTModules this process creates next (see configure_ortmodule); ORTModule has no option for them.
-_ORTMODULE: dict[str, int | bool | None] = {"intra_op_threads": None, "allow_spinning": True, "rewrite_gathers": True}
 
 
 def apply_session_settings(options, intra_op_threads: int | None, allow_spinning: bool) -> None:
@@ -162,17 +227,21 @@ def _count(cls: type, method: str, kind: str) -> None:
 
     def counted(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        ORT_RUNS.bump(kind)
+        if (scope := _ACTIVE.get()) is not None:
+            scope.runs.bump(kind)
         return result
 
     setattr(cls, method, counted)
 
 
 def patch_ortmodule() -> None:
-    """Apply the ORTModule fixes (idempotent). Import ORTModule only after calling this."""
+    """Apply the ORTModule fixes (idempotent). Import ORTModule only after calling this.
+
+    The patched methods read the settings of the engine running at the time (see `ortmodule_scope`)."""
     global _patched
     if _patched:
         return
+    require_supported_versions()
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
     from onnxruntime.training.ortmodule import _execution_agent
     from onnxruntime.training.ortmodule._graph_execution_manager import GraphExecutionManager
@@ -186,7 +255,8 @@ def patch_ortmodule() -> None:
 
     def get_exported_with_masks(*args, **kwargs):
         exported_model, output_schema = get_exported(*args, **kwargs)
-        prepare_training_graph(exported_model, bool(_ORTMODULE["rewrite_gathers"]))
+        scope = _ACTIVE.get()
+        prepare_training_graph(exported_model, scope.settings.rewrite_gathers if scope else True)
         return exported_model, output_schema
 
     def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -202,7 +272,8 @@ def patch_ortmodule() -> None:
 
     def session_config_with_threads(self):
         options, providers, provider_options = session_config(self)
-        apply_session_settings(options, _ORTMODULE["intra_op_threads"], bool(_ORTMODULE["allow_spinning"]))
+        settings = scope.settings if (scope := _ACTIVE.get()) is not None else SessionSettings()
+        apply_session_settings(options, settings.intra_op_threads, settings.allow_spinning)
         return options, providers, provider_options
 
     GraphExecutionManager._get_session_config = session_config_with_threads
@@ -211,45 +282,72 @@ def patch_ortmodule() -> None:
     _patched = True
 
 
-def configure_ortmodule(
-    *,
-    fallback_allowed: bool,
-    opset: int | None,
-    intra_op_threads: int | None,
-    allow_spinning: bool,
-    rewrite_gathers: bool,
-) -> None:
-    """Everything ORTModule reads when it is constructed or first exports, for the ORTModules created next.
+@contextlib.contextmanager
+def ortmodule_scope(settings: SessionSettings, runs: OrtRunCounter) -> Iterator[None]:
+    """Around every call into one engine's ORTModule: ORT's export, session creation and runs inside see this
+    engine's settings and count into its counter; torch's fused MHA inference path (which cannot be exported:
+    ORTModule would fall back to PyTorch in eval and stay there) is off only for the duration."""
+    token = _ACTIVE.set(_Scope(settings, runs))
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        _ACTIVE.reset(token)
 
-    Applies ortflow's patches (patch_ortmodule) first. opset=None keeps ORTModule's default opset.
-    """
+
+@contextlib.contextmanager
+def ortmodule_construction(*, fallback_allowed: bool, opset: int | None) -> Iterator[None]:
+    """While an ORTModule is constructed: its fallback policy and export opset. ORTModule reads both only then,
+    from a module global and environment variables, which are restored afterwards."""
     patch_ortmodule()
-    _set_fallback(fallback_allowed)
-    if opset is None:
-        os.environ.pop("ORTMODULE_ONNX_OPSET_VERSION", None)
-    else:
-        os.environ["ORTMODULE_ONNX_OPSET_VERSION"] = str(opset)
-    _ORTMODULE.update(intra_op_threads=intra_op_threads, allow_spinning=allow_spinning, rewrite_gathers=rewrite_gathers)
-
-
-def _set_fallback(allowed: bool) -> None:
-    """ORTModule's fallback manager reads the module global ORTMODULE_FALLBACK_POLICY at construction; the
-    ORTMODULE_FALLBACK_POLICY environment variable only changes what its start-up banner prints. Set both."""
     from onnxruntime.training import ortmodule
     from onnxruntime.training.ortmodule._fallback import _FallbackPolicy
 
-    if allowed:
+    if fallback_allowed:
         policy = (
             _FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE
             | _FallbackPolicy.FALLBACK_UNSUPPORTED_DATA
             | _FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL
             | _FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL
         )
-        os.environ.pop("ORTMODULE_FALLBACK_POLICY", None)
     else:
         policy = _FallbackPolicy.FALLBACK_DISABLE
-        os.environ["ORTMODULE_FALLBACK_POLICY"] = policy.name
+    saved_env = {key: os.environ.get(key) for key in ("ORTMODULE_FALLBACK_POLICY", "ORTMODULE_ONNX_OPSET_VERSION")}
+    saved_policy = ortmodule.ORTMODULE_FALLBACK_POLICY
+    # The module global is what the fallback manager reads; the environment variable overrides it in the runtime
+    # options (and only changes the start-up banner otherwise), so both are set.
     ortmodule.ORTMODULE_FALLBACK_POLICY = policy
+    os.environ.pop("ORTMODULE_FALLBACK_POLICY", None)
+    if not fallback_allowed:
+        os.environ["ORTMODULE_FALLBACK_POLICY"] = policy.name
+    os.environ.pop("ORTMODULE_ONNX_OPSET_VERSION", None)
+    if opset is not None:
+        os.environ["ORTMODULE_ONNX_OPSET_VERSION"] = str(opset)
+    try:
+        yield
+    finally:
+        ortmodule.ORTMODULE_FALLBACK_POLICY = saved_policy
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def ortmodule_fallback_error() -> type[BaseException]:
+    """The exception type ORTModule raises when it cannot run a model (and may not fall back)."""
+    from onnxruntime.training.ortmodule._fallback_exceptions import ORTModuleFallbackException
+
+    return ORTModuleFallbackException
+
+
+def set_ort_seed(seed: int) -> None:
+    """Seed ONNX Runtime's own generator (dropout inside ORT graphs); ORT exposes it only in its private binding."""
+    from onnxruntime.capi import _pybind_state
+
+    _pybind_state.set_seed(seed)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,9 @@
-"""The Engine protocol: everything the loop needs, whichever runtime executes the model."""
+"""The Engine protocol (everything the loop needs, whichever runtime executes the model), the EngineContext an
+engine is built from, and the loss/eval helpers every engine shares."""
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -23,8 +26,42 @@ class EvalResult:
         return EvalResult(self.loss_sum + other.loss_sum, self.correct + other.correct, self.count + other.count)
 
 
+def _no_wrappers(module: nn.Module) -> nn.Module:
+    return module
+
+
+@dataclass
+class EngineContext:
+    """Everything the runner hands an engine builder besides the engine's own settings (conf/accel/<mode>.yaml).
+
+    Attributes:
+        model: the user's torch model, with its initial (or resumed) weights.
+        example: one (inputs, targets) batch of the training batch size, taken without drawing from the training
+            loader's generator (the data order stays the same in every accel mode).
+        optim: the optim group (ortflow/optim.py); an engine either builds torch.optim from it or bakes it in.
+        grad_clip: max global gradient norm, or None.
+        debug: the debug group; an engine that cannot honour a debug option refuses it in its `problems`.
+        onnx_dir: where the engine may write ONNX files (inside the run dir).
+        wrap: the distributed wrappers (DDP) to apply around the engine's own module, outermost last.
+        reduce_loss: turns this process's loss into the global one (the mean over ranks); None for one process.
+    """
+
+    model: nn.Module
+    example: tuple[torch.Tensor, torch.Tensor]
+    optim: Any
+    grad_clip: float | None = None
+    debug: Any = None
+    onnx_dir: Path = field(default_factory=lambda: Path("onnx"))
+    wrap: Callable[[nn.Module], nn.Module] = _no_wrappers
+    reduce_loss: Callable[[float], float] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.example[0].size(0)
+
+
 class Engine(Protocol):
-    """What the loop talks to. Implementations: EagerEngine, ORTModuleEngine, ArtifactsEngine."""
+    """What the loop talks to. Built-in implementations: accel/none.py, accel/ortmodule.py, accel/artifacts.py."""
 
     name: str
 

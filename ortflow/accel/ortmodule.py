@@ -1,92 +1,128 @@
 """`accel=ortmodule`: ORTModule runs forward and backward in ONNX Runtime; torch.optim updates the weights.
 
-Fallback policy: ORTModule silently runs PyTorch when it cannot handle a model. With `accel.fallback=fail`
-(default) ORT's fallback is disabled and every training step is also checked against ORT's own run counters,
-so a step that did not execute in ORT stops the run. With `warn` fallbacks are allowed, logged and recorded.
+Owns the ORTModule wrap, the `debug` group (ORTModule's DebugOptions), the fallback policy, this engine's own ORT
+session settings, and the proof that ORT ran. Fallback policy: ORTModule silently runs PyTorch when it cannot handle
+a model. With `accel.fallback=fail` (default) ORT's fallback is disabled and every training step is also checked
+against this engine's ORT run counters, so a step that did not execute in ORT stops the run. With `warn` fallbacks
+are allowed, logged and recorded.
 """
 
 import logging
 import math
-from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from omegaconf import DictConfig
 
 from ortflow.accel import compat
-from ortflow.accel.eager import EagerEngine
-from ortflow.accel.engine import EvalResult, WithLoss, pad_batch
+from ortflow.accel.engine import EngineContext, EvalResult, WithLoss, pad_batch
 from ortflow.accel.extensions import ensure_built
-from ortflow.config import DebugConfig, Fallback, OptimConfig, ORTModuleAccelConfig
+from ortflow.accel.none import EagerEngine
+from ortflow.config import DebugConfig
+from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
 
 log = logging.getLogger(__name__)
 
+NAME = "ortmodule"
 
-def wrap(module: nn.Module, accel: ORTModuleAccelConfig, debug: DebugConfig, onnx_dir: Path) -> nn.Module:
-    """Wrap `module` with ORTModule configured from the accel and debug groups.
 
-    ORTModule must be the innermost wrapper (DDP or DeepSpeed go around it, never inside).
-    """
-    ensure_built()
-    compat.configure_ortmodule(
-        fallback_allowed=accel.fallback == Fallback.warn,
-        opset=accel.opset,
-        intra_op_threads=accel.intra_op_threads,
-        allow_spinning=accel.allow_spinning,
-        rewrite_gathers=accel.rewrite_gathers,
-    )
-    compat.disable_transformer_fastpath()
-    from onnxruntime.training.ortmodule import DebugOptions, LogLevel, ORTModule
+class Fallback(Enum):
+    fail = "fail"  # stop with an error if ORT cannot run the model (ORT's own fallback disabled)
+    warn = "warn"  # let ORTModule fall back to PyTorch; ortflow logs it and records executed_by=pytorch
+
+
+@dataclass
+class Settings:
+    """conf/accel/ortmodule.yaml."""
+
+    _target_: str = "ortflow.accel.ortmodule.build"
+    fallback: Fallback = Fallback.fail
+    opset: int | None = None  # ONNX opset for ORTModule's export; null keeps ORTModule's default (17)
+    intra_op_threads: int | None = None  # ORT's intra-op threads; null = ORT's default (one per physical core)
+    # Idle ORT threads busy-wait for work by default. Under ORTModule, torch runs the optimizer and the glue between
+    # ORT's runs on the same cores, and spinning ORT threads slow it down: off measured 15% faster per step.
+    allow_spinning: bool = False
+    # Rewrite constant-index Gathers (MultiheadAttention's q/k/v split) as Slice before ORT builds the gradient:
+    # ORT's CPU GatherGrad was a third of the transformer's step. Off only to compare or to rule it out.
+    rewrite_gathers: bool = True
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    """Wrapper order (ORTModule innermost, no DataParallel) and opset range."""
+    found = []
+    wrappers = list(cfg.distributed.wrappers)
+    if "dp" in wrappers:
+        found.append(
+            "distributed.wrappers has dp (torch.nn.DataParallel) with accel=ortmodule: DataParallel copies the "
+            "module into one replica per device on every forward, and ORTModule's ONNX Runtime session cannot be "
+            "replicated that way. Use distributed=ddp (DistributedDataParallel, one process per device) instead."
+        )
+    if "accel" in wrappers:
+        for w in wrappers[: wrappers.index("accel")]:
+            if w in MULTI_PROCESS:
+                found.append(
+                    f"distributed.wrappers={wrappers} puts {w} inside ORTModule. ORTModule must be the innermost "
+                    f"wrapper ({w} hooks the gradients ORTModule's graph produces); use "
+                    f"distributed.wrappers=[accel,{w}]."
+                )
+    return found
+
+
+def debug_options(debug: DebugConfig, onnx_dir: Path):
+    """ORTModule's DebugOptions from the `debug` group; saved graphs go to `onnx_dir` (inside the run dir)."""
+    from onnxruntime.training.ortmodule import DebugOptions, LogLevel
 
     save_path = ""
     if debug.save_onnx:
         onnx_dir.mkdir(parents=True, exist_ok=True)
         save_path = str(onnx_dir)
-    options = DebugOptions(
+    return DebugOptions(
         log_level=LogLevel[debug.log_level.value],
         save_onnx=debug.save_onnx,
         onnx_prefix=debug.onnx_prefix,
         save_path=save_path,
     )
-    return ORTModule(module, options)
+
+
+def build(ctx: EngineContext, **settings: Any) -> "ORTModuleEngine":
+    return ORTModuleEngine(ctx, Settings(**settings))
 
 
 class ORTModuleEngine:
-    """ORTModule-wrapped model + loss, stepped by torch.optim (through an EagerEngine)."""
+    """ORTModule-wrapped model + loss (innermost wrapper; ctx.wrap's DDP goes around it), stepped by torch.optim
+    through an EagerEngine."""
 
-    name = "ortmodule"
+    name = NAME
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optim: OptimConfig,
-        grad_clip: float | None,
-        accel: ORTModuleAccelConfig,
-        debug: DebugConfig,
-        onnx_dir: Path,
-        distribute: Callable[[nn.Module], nn.Module] | None = None,
-        reduce_loss: Callable[[float], float] | None = None,
-    ) -> None:
-        """`distribute` wraps the ORTModule (e.g. in DDP): ORTModule stays the innermost wrapper."""
-        self.fallback = accel.fallback
-        self.module = wrap(WithLoss(model), accel, debug, onnx_dir)
-        outer = distribute(self.module) if distribute else self.module
-        self.inner = EagerEngine(outer, model, optim, grad_clip, reduce_loss)
-        self.batch_size: int | None = None  # shape ORT's graphs were exported for (first training batch)
+    def __init__(self, ctx: EngineContext, settings: Settings) -> None:
+        ensure_built()
+        self.fallback = settings.fallback
+        self.session = compat.SessionSettings(
+            settings.intra_op_threads, settings.allow_spinning, settings.rewrite_gathers
+        )
+        self.runs = compat.OrtRunCounter()  # this engine's own ORT runs: the proof that ORT executed
+        with compat.ortmodule_construction(fallback_allowed=settings.fallback == Fallback.warn, opset=settings.opset):
+            from onnxruntime.training.ortmodule import ORTModule
+
+            self.module = ORTModule(WithLoss(ctx.model), debug_options(ctx.debug, ctx.onnx_dir))
+        self.inner = EagerEngine(ctx.wrap(self.module), ctx.model, ctx.optim, ctx.grad_clip, ctx.reduce_loss)
+        self.batch_size = ctx.batch_size  # the shape ORT's graphs are exported for
         self.ort_steps = 0
         self.torch_steps = 0
         self.ort_evals = 0
         self.torch_evals = 0
 
     def _run(self, step, inputs: torch.Tensor, targets: torch.Tensor):
-        """Call `step`, turning ORTModule's "cannot run this model" exceptions into a clear user error."""
-        from onnxruntime.training.ortmodule._fallback_exceptions import ORTModuleFallbackException
-
+        """Call `step` in this engine's ORT scope, turning ORTModule's "cannot run this model" exceptions into a
+        clear user error."""
         try:
-            return step(inputs, targets)
-        except ORTModuleFallbackException as err:
+            with compat.ortmodule_scope(self.session, self.runs):
+                return step(inputs, targets)
+        except compat.ortmodule_fallback_error() as err:
             raise OrtflowError(
                 f"ORTModule cannot run this model in ONNX Runtime ({root_reason(err)}). "
                 "Set accel.fallback=warn to let PyTorch run it instead (recorded as executed_by=pytorch), "
@@ -103,14 +139,12 @@ class ORTModuleEngine:
         log.warning(message)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        if self.batch_size is None:
-            self.batch_size = inputs.size(0)
         inputs, targets = pad_batch(inputs, targets, self.batch_size)
-        before = compat.ORT_RUNS.snapshot()
+        before = self.runs.snapshot()
         loss = self._run(self.inner.train_step, inputs, targets)
         if not math.isfinite(loss):
             return loss  # forward only (no backward ran); the loop decides whether to stop or skip
-        after = compat.ORT_RUNS.snapshot()
+        after = self.runs.snapshot()
         # Proof, not absence of an error: ORT's own training session ran both the forward and the backward.
         if after[0] > before[0] and after[1] > before[1]:
             self.ort_steps += 1
@@ -120,11 +154,10 @@ class ORTModuleEngine:
         return loss
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
-        real = inputs.size(0)
-        inputs, targets = pad_batch(inputs, targets, self.batch_size or real)
-        before = compat.ORT_RUNS.inference
+        inputs, targets = pad_batch(inputs, targets, self.batch_size)
+        before = self.runs.inference
         result = self._run(self.inner.eval_step, inputs, targets)
-        if compat.ORT_RUNS.inference > before:
+        if self.runs.inference > before:
             self.ort_evals += 1
         else:
             self.torch_evals += 1

@@ -1,30 +1,55 @@
-"""Torch autograd + torch.optim: the `none` engine, and the optimizer half of the `ortmodule` engine."""
+"""`accel=none`: eager PyTorch, torch autograd + torch.optim. EagerEngine is also the optimizer half of the
+`ortmodule` engine (which hands it an ORTModule-wrapped module)."""
 
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel.engine import EvalResult, WithLoss, eval_sums
-from ortflow.config import OptimConfig, OptimName
+from ortflow.accel.engine import EngineContext, EvalResult, WithLoss, eval_sums
+from ortflow.config import OptimConfig
+from ortflow.optim import build_torch_optimizer
 
 log = logging.getLogger(__name__)
 
+NAME = "none"
 
-def build_torch_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """torch.optim optimizer for `cfg` (same hyperparameters the artifacts engine bakes into its graph)."""
-    if cfg.name == OptimName.adamw:
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+@dataclass
+class Settings:
+    """conf/accel/none.yaml: eager PyTorch has no settings of its own."""
+
+    _target_: str = "ortflow.accel.none.build"
+
+
+def debug_problems(cfg: DictConfig, name: str) -> list[str]:
+    """The refusal shared by engines that have no ORTModule DebugOptions to honour."""
+    if cfg.debug.save_onnx or cfg.debug.log_level.value != "WARNING":
+        return [
+            f"debug: the debug options are ORTModule's DebugOptions and apply to accel=ortmodule only, not "
+            f"accel={name}; use debug=off (accel=artifacts always writes its ONNX files to <run dir>/onnx/)."
+        ]
+    return []
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    return debug_problems(cfg, NAME)
+
+
+def build(ctx: EngineContext) -> "EagerEngine":
+    """The eager engine around `ctx.model` (with ctx's distributed wrappers around it)."""
+    return EagerEngine(ctx.wrap(WithLoss(ctx.model)), ctx.model, ctx.optim, ctx.grad_clip, ctx.reduce_loss)
 
 
 class EagerEngine:
     """Runs `module` (a WithLoss, possibly wrapped by ORTModule) with torch autograd and torch.optim."""
 
-    name = "none"
+    name = NAME
 
     def __init__(
         self,
@@ -48,18 +73,6 @@ class EagerEngine:
         self.optimizer = build_torch_optimizer(module.parameters(), optim)
         self.grad_clip = grad_clip
         self.reduce_loss = reduce_loss
-
-    @classmethod
-    def from_model(
-        cls,
-        model: nn.Module,
-        optim: OptimConfig,
-        grad_clip: float | None,
-        distribute: Callable[[nn.Module], nn.Module] | None = None,
-        reduce_loss: Callable[[float], float] | None = None,
-    ) -> "EagerEngine":
-        module = WithLoss(model)
-        return cls(distribute(module) if distribute else module, model, optim, grad_clip, reduce_loss)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         self.module.train()

@@ -12,7 +12,7 @@ from typing import Any
 from ortflow.accel.engine import Engine, EvalResult
 from ortflow.config import OnNonFinite, OptimConfig, SchedulerConfig, TrainerConfig
 from ortflow.errors import OrtflowError
-from ortflow.logging import RunLogger
+from ortflow.logger import RunLogger
 from ortflow.scheduler import lr_at
 from ortflow.seeding import seed_step
 from ortflow.signals import Preempted, stop_on_sigterm
