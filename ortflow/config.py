@@ -9,30 +9,37 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from annotated_types import Ge, Gt, Interval, Len
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, SI
+
+from ortflow.ranges import ranged
+
+PROBABILITY = Interval(ge=0, lt=1)  # dropout and friends: 1 would drop everything
+FRACTION = Interval(gt=0, lt=1)
+SEED = Interval(ge=0, le=2**32 - 1)  # numpy's generator takes seeds below 2**32
 
 
 # ----------------------------------------------------------------------------------------------------- model
 @dataclass
 class TransformerModelConfig:
     _target_: str = "ortflow.model.transformer.build_transformer"
-    vocab_size: int = 256  # byte-level text data has 256 token ids
-    d_model: int = 128
-    nhead: int = 4
-    num_layers: int = 2
-    dim_feedforward: int = 2048  # nn.TransformerEncoderLayer's default
-    dropout: float = 0.1  # nn.TransformerEncoderLayer's default
+    vocab_size: int = ranged(256, Ge(1))  # byte-level text data has 256 token ids
+    d_model: int = ranged(128, Ge(1))
+    nhead: int = ranged(4, Ge(1))
+    num_layers: int = ranged(2, Ge(1))
+    dim_feedforward: int = ranged(2048, Ge(1))  # nn.TransformerEncoderLayer's default
+    dropout: float = ranged(0.1, PROBABILITY)  # nn.TransformerEncoderLayer's default
     causal: bool = True  # attend only to earlier positions (a language model must not see the next token)
 
 
 @dataclass
 class MLPModelConfig:
     _target_: str = "ortflow.model.mlp.build_mlp"
-    in_features: int = 64  # 8x8 digits
-    num_classes: int = 10
-    hidden: list[int] = field(default_factory=lambda: [128, 64])
-    dropout: float = 0.0
+    in_features: int = ranged(64, Ge(1))  # 8x8 digits
+    num_classes: int = ranged(10, Ge(2))
+    hidden: list[int] = ranged([128, 64], each=Ge(1))
+    dropout: float = ranged(0.0, PROBABILITY)
 
 
 # ------------------------------------------------------------------------------------------------------ data
@@ -40,20 +47,22 @@ class MLPModelConfig:
 class TextDataConfig:
     _target_: str = "ortflow.data.text.build_text_data"
     source: str = "python_docs"  # `python_docs` (embedded corpus) or a path to any local text file
-    block_size: int = 64  # tokens (bytes) per sequence
-    batch_size: int = 32
-    val_fraction: float = 0.1  # share held out for evaluation, taken from the end of the text
-    seed: int = SI("${seed}")
-    num_workers: int = 0
+    block_size: int = ranged(64, Interval(ge=1, le=65536))  # tokens (bytes) per sequence
+    batch_size: int = ranged(32, Interval(ge=1, le=65536))
+    val_fraction: float = ranged(0.1, FRACTION)  # share held out for evaluation, taken from the end of the text
+    seed: int = ranged(SI("${seed}"), SEED)
+    num_workers: int = ranged(0, Ge(0))
+    # Largest data.source file read (bytes; each byte becomes one int64 token in memory, 8x the file's size).
+    max_bytes: int = ranged(256 * 2**20, Ge(1))
 
 
 @dataclass
 class DigitsDataConfig:
     _target_: str = "ortflow.data.digits.build_digits_data"
-    batch_size: int = 64
-    val_fraction: float = 0.25  # stratified held-out share of the 1,797 images
-    seed: int = SI("${seed}")
-    num_workers: int = 0
+    batch_size: int = ranged(64, Interval(ge=1, le=65536))
+    val_fraction: float = ranged(0.25, FRACTION)  # stratified held-out share of the 1,797 images
+    seed: int = ranged(SI("${seed}"), SEED)
+    num_workers: int = ranged(0, Ge(0))
 
 
 # ----------------------------------------------------------------------------------------- single-shape groups
@@ -64,13 +73,17 @@ class DistributedConfig:
     name: str = "none"  # none | ddp
     # Innermost first. `accel` marks where the accel mode's own wrapper (ORTModule) sits; the others are
     # ddp (torch DistributedDataParallel) and dp (torch.nn.DataParallel, refused with ORTModule).
-    wrappers: list[str] = field(default_factory=lambda: ["accel"])
+    wrappers: list[str] = ranged(["accel"], Len(1, 4))
     backend: str = "gloo"  # gloo on CPU (nccl needs GPUs)
-    nproc_per_node: int = 1  # processes on this machine; > 1 and not under torchrun: ortflow starts torchrun itself
-    nnodes: int = 1  # machines; each runs the same command with its own node_rank
-    node_rank: int = 0
+    nproc_per_node: int = ranged(
+        1, Ge(1)
+    )  # processes on this machine; > 1 and not under torchrun: ortflow starts torchrun itself
+    nnodes: int = ranged(1, Ge(1))  # machines; each runs the same command with its own node_rank
+    node_rank: int = ranged(0, Ge(0))
     rdzv_endpoint: str = "127.0.0.1:29500"  # host:port of node 0, reachable from every node (multi-node)
-    timeout_s: int = 60  # a collective waiting longer than this (a peer died) fails the rank with an error
+    timeout_s: int = ranged(
+        60, Ge(1)
+    )  # a collective waiting longer than this (a peer died) fails the rank with an error
 
 
 class OrtLogLevel(Enum):
@@ -98,11 +111,11 @@ class OptimName(Enum):
 @dataclass
 class OptimConfig:
     name: OptimName = OptimName.adamw
-    lr: float = 1e-3  # peak learning rate (the scheduler scales it)
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw only
-    eps: float = 1e-8  # adamw only
-    momentum: float = 0.0  # sgd only
+    lr: float = ranged(1e-3, Interval(gt=0, le=10))  # peak learning rate (the scheduler scales it)
+    weight_decay: float = ranged(0.01, Interval(ge=0, le=1))
+    betas: list[float] = ranged([0.9, 0.999], Len(2, 2), each=Interval(ge=0, lt=1))  # adamw only
+    eps: float = ranged(1e-8, Interval(gt=0, le=1))  # adamw only
+    momentum: float = ranged(0.0, Interval(ge=0, lt=1))  # sgd only
 
 
 class SchedulerName(Enum):
@@ -113,8 +126,8 @@ class SchedulerName(Enum):
 @dataclass
 class SchedulerConfig:
     name: SchedulerName = SchedulerName.constant
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
+    warmup_steps: int = ranged(0, Ge(0))  # longer than trainer.max_steps: clamped to it, with a warning
+    min_lr_ratio: float = ranged(0.1, Interval(ge=0, le=1))
 
 
 class OnNonFinite(Enum):
@@ -124,23 +137,25 @@ class OnNonFinite(Enum):
 
 @dataclass
 class CheckpointConfig:
-    every: int = 100  # write a full checkpoint every N steps (and always at the end); 0 = only at the end
-    keep: int | None = 3  # how many step checkpoints to keep (oldest deleted first); null = keep all
+    every: int = ranged(
+        100, Ge(0)
+    )  # write a full checkpoint every N steps (and always at the end); 0 = only at the end
+    keep: int | None = ranged(3, Ge(1))  # how many step checkpoints to keep (oldest deleted first); null = keep all
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 100  # optimizer steps
-    eval_every: int = 50  # evaluate every N steps and at the end; 0 = only at the end
-    eval_batches: int | None = None  # cap on validation batches per evaluation; null = the whole split
-    log_every: int = 10  # steps between TensorBoard/terminal loss points
-    grad_clip: float | None = None  # max global gradient norm; null = no clipping
+    max_steps: int = ranged(100, Ge(1))  # optimizer steps
+    eval_every: int = ranged(50, Ge(0))  # evaluate every N steps and at the end; 0 = only at the end
+    eval_batches: int | None = ranged(None, Ge(1))  # cap on validation batches per evaluation; null = the whole split
+    log_every: int = ranged(10, Ge(1))  # steps between TensorBoard/terminal loss points
+    grad_clip: float | None = ranged(None, Gt(0))  # max global gradient norm; null = no clipping
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # null: a new run. auto: continue the latest valid checkpoint in this run dir (a fresh start if it has none).
     # A path: continue from that checkpoint file (any accel mode's checkpoint loads in any other).
     resume: str | None = None
     on_nonfinite: OnNonFinite = OnNonFinite.stop  # what a NaN/inf training loss does
-    max_skipped_steps: int = 10  # with on_nonfinite=skip: stop after this many non-finite steps in a row
+    max_skipped_steps: int = ranged(10, Ge(0))  # with on_nonfinite=skip: stop after this many non-finite steps in a row
 
 
 @dataclass
@@ -161,7 +176,7 @@ class Config:
     scheduler: SchedulerConfig = MISSING
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
-    seed: int = 0  # seeds python, numpy, torch, ORT and the data order
+    seed: int = ranged(0, SEED)  # seeds python, numpy, torch, ORT and the data order
     objective: str = "eval/loss"  # the metric a sweep job returns (Optuna optimises it)
 
 

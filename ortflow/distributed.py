@@ -66,10 +66,7 @@ def problems(cfg: DistributedConfig) -> list[str]:
         found.append(f"distributed={cfg.name} needs {cfg.name} in distributed.wrappers (e.g. [accel,{cfg.name}]).")
     if cfg.name == "none" and multi:
         found.append(f"distributed.wrappers has {multi[0]} but distributed=none; choose distributed={multi[0]}.")
-    for key in ("nproc_per_node", "nnodes", "timeout_s"):
-        if cfg[key] < 1:
-            found.append(f"distributed.{key}={cfg[key]} must be >= 1.")
-    if not 0 <= cfg.node_rank < max(cfg.nnodes, 1):
+    if not cfg.node_rank < cfg.nnodes:
         found.append(f"distributed.node_rank={cfg.node_rank} must be in [0, distributed.nnodes={cfg.nnodes}).")
     if processes(cfg) > 1 and not multi:
         found.append(

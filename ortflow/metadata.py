@@ -71,8 +71,12 @@ def now() -> str:
 
 
 def start_record(config: dict[str, Any], overrides: list[str], seed: int) -> dict[str, Any]:
-    """Everything known before training starts."""
-    return {
+    """Everything known before training starts (and, when a run goes ahead on versions outside what the ORT
+    engines were tested with, which ones)."""
+    from ortflow.accel.compat import untested_versions
+
+    untested = untested_versions()
+    return ({"untested_versions": untested} if untested else {}) | {
         "status": "running",
         "started": now(),
         "command": [sys.executable, *sys.argv],

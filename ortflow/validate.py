@@ -6,13 +6,16 @@ distributed settings (ortflow/distributed.py) for their own rules.
 """
 
 import dataclasses
+import logging
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from ortflow import accel, distributed
+from ortflow import accel, distributed, ranges
 from ortflow.errors import collect
 from ortflow.trainer import FINAL_METRICS
+
+log = logging.getLogger(__name__)
 
 OBJECTIVES = FINAL_METRICS
 
@@ -49,40 +52,14 @@ def problems(cfg: DictConfig) -> list[str]:
     ]
     if found:
         return found  # the rules below read these keys
+    found = ranges.problems(cfg)  # every single-key range the schema declares, all at once
     trainer, data = cfg.trainer, cfg.data
     found += accel.problems(cfg)
     if cfg.objective not in OBJECTIVES:
         found.append(f"objective={cfg.objective!r} is not a metric ortflow reports; choose one of {OBJECTIVES}.")
     found += distributed.problems(cfg.distributed)
-    for key in ("max_steps", "log_every"):
-        if trainer[key] < 1:
-            found.append(f"trainer.{key}={trainer[key]} must be >= 1.")
-    if trainer.eval_every < 0:
-        found.append(f"trainer.eval_every={trainer.eval_every} must be >= 0 (0 = only at the end).")
-    if trainer.eval_batches is not None and trainer.eval_batches < 1:
-        found.append(f"trainer.eval_batches={trainer.eval_batches} must be >= 1, or null for all.")
-    if trainer.grad_clip is not None and trainer.grad_clip <= 0:
-        found.append(f"trainer.grad_clip={trainer.grad_clip} must be > 0, or null for no clipping.")
-    if trainer.checkpoint.every < 0:
-        found.append(f"trainer.checkpoint.every={trainer.checkpoint.every} must be >= 0 (0 = only at the end).")
-    if trainer.checkpoint.keep is not None and trainer.checkpoint.keep < 1:
-        found.append(f"trainer.checkpoint.keep={trainer.checkpoint.keep} must be >= 1, or null to keep all.")
-    if trainer.max_skipped_steps < 0:
-        found.append(f"trainer.max_skipped_steps={trainer.max_skipped_steps} must be >= 0.")
     if trainer.resume is not None and not trainer.resume.strip():
         found.append("trainer.resume is empty; use trainer.resume=auto, a checkpoint path, or leave it out.")
-    if cfg.optim.lr <= 0:
-        found.append(f"optim.lr={cfg.optim.lr} must be > 0.")
-    if cfg.scheduler.name.value != "constant" and cfg.scheduler.warmup_steps >= trainer.max_steps:
-        found.append(
-            f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must be below trainer.max_steps={trainer.max_steps}."
-        )
-    if "batch_size" in data and data.batch_size < 1:
-        found.append(f"data.batch_size={data.batch_size} must be >= 1.")
-    if "val_fraction" in data and not 0 < data.val_fraction < 1:
-        found.append(f"data.val_fraction={data.val_fraction} must be between 0 and 1.")
-    if "block_size" in data and data.block_size < 1:
-        found.append(f"data.block_size={data.block_size} must be >= 1.")
     is_text = "_target_" in data and data._target_.endswith("build_text_data")
     model_target = cfg.model.get("_target_", "")
     if is_text and model_target == "ortflow.model.mlp.build_mlp":
@@ -90,13 +67,26 @@ def problems(cfg: DictConfig) -> list[str]:
             "model=mlp takes 64 float features per sample (data=digits), but data=text gives token ids; use "
             "model=transformer with data=text, or data=digits with model=mlp."
         )
-    if model_target.endswith("build_transformer") and cfg.model.d_model % cfg.model.nhead:
+    if model_target.endswith("build_transformer") and cfg.model.nhead > 0 and cfg.model.d_model % cfg.model.nhead:
         found.append(f"model.nhead={cfg.model.nhead} must divide model.d_model={cfg.model.d_model}.")
     if is_text and "vocab_size" in cfg.model and cfg.model.vocab_size < 256:
         found.append(f"model.vocab_size={cfg.model.vocab_size}: byte-level text data needs vocab_size >= 256.")
     return found
 
 
+def warnings(cfg: DictConfig) -> list[str]:
+    """Settings that are adjusted rather than refused (a quick run of a long recipe), one line each."""
+    found = []
+    if cfg.scheduler.warmup_steps > cfg.trainer.max_steps:
+        found.append(
+            f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} is longer than trainer.max_steps="
+            f"{cfg.trainer.max_steps}: the warmup is cut to {cfg.trainer.max_steps} steps."
+        )
+    return found
+
+
 def validate(cfg: DictConfig) -> None:
-    """Raise one OrtflowError listing every problem, or return."""
+    """Raise one OrtflowError listing every problem, or log the adjustments (warnings) and return."""
     collect(problems(cfg), "The configuration has problems (fix these keys and run again):")
+    for warning in warnings(cfg):
+        log.warning(warning)

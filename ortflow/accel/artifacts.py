@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import onnx
 import torch
+from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
@@ -24,6 +25,7 @@ from ortflow.accel.none import debug_problems
 from ortflow.config import OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
+from ortflow.ranges import ranged
 
 log = logging.getLogger(__name__)
 
@@ -36,21 +38,17 @@ class Settings:
     """conf/accel/artifacts.yaml."""
 
     _target_: str = "ortflow.accel.artifacts.build"
-    opset: int = compat.MAX_ARTIFACTS_OPSET  # at 17 ORT's gradient builder breaks on LayerNormalization
-    intra_op_threads: int | None = None  # ORT's intra-op threads; null = ORT's default (one per physical core)
+    # Below 14 ORT's training graph cannot be built; at 17 ORT's gradient builder breaks on LayerNormalization.
+    opset: int = ranged(compat.MAX_ARTIFACTS_OPSET, Interval(ge=MIN_OPSET, le=compat.MAX_ARTIFACTS_OPSET))
+    intra_op_threads: int | None = ranged(
+        None, Ge(1)
+    )  # ORT's intra-op threads; null = ORT's default (one per physical core)
     allow_spinning: bool = True  # ORT's default; everything runs inside ORT here, so nothing competes with it
     rewrite_gathers: bool = True  # as for ortmodule: constant-index Gather -> Slice before gradient building
 
 
 def problems(cfg: DictConfig) -> list[str]:
     found = debug_problems(cfg, NAME)
-    opset = cfg.accel.opset
-    if not MIN_OPSET <= opset <= compat.MAX_ARTIFACTS_OPSET:
-        found.append(
-            f"accel.opset={opset}: artifacts need {MIN_OPSET} <= opset <= {compat.MAX_ARTIFACTS_OPSET} (below "
-            f"{MIN_OPSET} ORT's training graph cannot be built; at 17 ORT's gradient builder breaks on "
-            "LayerNormalization)."
-        )
     if cfg.optim.name == OptimName.sgd and (cfg.optim.momentum or cfg.optim.weight_decay):
         found.append(
             "optim.momentum/optim.weight_decay: ORT's SGD graph (accel=artifacts) has neither; set both to 0 "

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 
 from ortflow.accel import compat
@@ -24,6 +25,7 @@ from ortflow.accel.none import EagerEngine
 from ortflow.config import DebugConfig
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
+from ortflow.ranges import ranged
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,10 @@ class Settings:
 
     _target_: str = "ortflow.accel.ortmodule.build"
     fallback: Fallback = Fallback.fail
-    opset: int | None = None  # ONNX opset for ORTModule's export; null keeps ORTModule's default (17)
-    intra_op_threads: int | None = None  # ORT's intra-op threads; null = ORT's default (one per physical core)
+    opset: int | None = ranged(None, Interval(ge=14, le=17))  # ORTModule's export opset; null = its default (17)
+    intra_op_threads: int | None = ranged(
+        None, Ge(1)
+    )  # ORT's intra-op threads; null = ORT's default (one per physical core)
     # Idle ORT threads busy-wait for work by default. Under ORTModule, torch runs the optimizer and the glue between
     # ORT's runs on the same cores, and spinning ORT threads slow it down: off measured 15% faster per step.
     allow_spinning: bool = False

@@ -7,6 +7,7 @@ in every Python installation: no download, identical on every machine.
 
 import logging
 import math
+import stat
 from collections import Counter
 from pathlib import Path
 
@@ -28,16 +29,37 @@ def _embedded_corpus() -> bytes:
     return "".join(topics[key] for key in sorted(topics)).encode("utf-8")
 
 
-def _read_file(path: str) -> bytes:
+def _read_file(path: str, max_bytes: int) -> bytes:
+    """The file's bytes, after checking (without opening it) that it is a regular, readable, non-empty file of at
+    most `max_bytes`: a FIFO or a device would block or never end."""
     file = Path(path).expanduser()
     try:
-        return file.read_bytes()
+        info = file.stat()
     except FileNotFoundError:
         raise OrtflowError(
             f"data.source: text file '{file}' does not exist. Give an existing file, e.g. "
             f"data.source=/abs/path/corpus.txt, or data.source={EMBEDDED} for the embedded corpus."
         ) from None
-    except (IsADirectoryError, PermissionError) as err:
+    except OSError as err:
+        raise OrtflowError(f"data.source: cannot read text file '{file}': {err.strerror}.") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise OrtflowError(f"data.source: '{file}' is a directory; give one text file.")
+    if not stat.S_ISREG(info.st_mode):
+        raise OrtflowError(
+            f"data.source: '{file}' is not a regular file (a pipe, socket or device would block or never end); "
+            "give a text file on disk."
+        )
+    if info.st_size == 0:
+        raise OrtflowError(f"data.source: text file '{file}' is empty.")
+    if info.st_size > max_bytes:
+        raise OrtflowError(
+            f"data.source: text file '{file}' has {info.st_size:,} bytes, more than data.max_bytes={max_bytes:,} "
+            "(each byte becomes an 8-byte token in memory). Raise data.max_bytes if the machine has the memory, or "
+            "use a smaller file."
+        )
+    try:
+        return file.read_bytes()
+    except OSError as err:
         raise OrtflowError(f"data.source: cannot read text file '{file}': {err.strerror}.") from None
 
 
@@ -65,7 +87,13 @@ def unigram_entropy(data: bytes) -> float:
 
 
 def build_text_data(
-    source: str, block_size: int, batch_size: int, val_fraction: float, seed: int, num_workers: int = 0
+    source: str,
+    block_size: int,
+    batch_size: int,
+    val_fraction: float,
+    seed: int,
+    num_workers: int = 0,
+    max_bytes: int = 256 * 2**20,
 ) -> Data:
     """Split a byte stream into train (first part) and validation (last part) windows.
 
@@ -76,11 +104,14 @@ def build_text_data(
         val_fraction: share of the bytes held out for evaluation, taken from the end.
         seed: seeds the training shuffle (same seed, same batch order).
         num_workers: DataLoader worker processes.
+        max_bytes: the largest file read (a regular file only; FIFOs and devices are refused before opening).
 
     Raises:
         OrtflowError: the file is missing or unreadable, or too small for one train and one val window.
     """
-    raw = _embedded_corpus() if source == EMBEDDED else _read_file(source)
+    if not source.strip():
+        raise OrtflowError(f"data.source is empty; give a text file path or data.source={EMBEDDED}.")
+    raw = _embedded_corpus() if source == EMBEDDED else _read_file(source, max_bytes)
     n_val = int(len(raw) * val_fraction)
     train_bytes, val_bytes = raw[: len(raw) - n_val], raw[len(raw) - n_val :]
     need = block_size + 1
