@@ -23,7 +23,7 @@ from ortflow.config import register_configs
 from ortflow.errors import OrtflowError
 from ortflow.metadata import read_record
 from ortflow.paths import config_dir
-from ortflow.signals import Preempted
+from ortflow.signals import Interrupted, Preempted
 from ortflow.validate import validate
 
 log = logging.getLogger("ortflow")
@@ -76,6 +76,9 @@ def _main(cfg: DictConfig) -> float:
             flush=True,
         )
         sys.exit(0)
+    except Interrupted as err:
+        print(f"ortflow: {err}; run.json in {run_dir} records it.", file=sys.stderr, flush=True)
+        sys.exit(err.exit_status)
     except OrtflowError as err:
         if os.environ.get("ORTFLOW_TRACEBACK"):
             traceback.print_exc()

@@ -155,6 +155,8 @@ class TrainerConfig:
     # A path: continue from that checkpoint file (any accel mode's checkpoint loads in any other).
     resume: str | None = None
     on_nonfinite: OnNonFinite = OnNonFinite.stop  # what a NaN/inf training loss does
+    # A smoke run of any recipe: N steps, one eval batch at the end, no checkpoints. 0 = off.
+    fast_dev_run: int = ranged(0, Ge(0))
     max_skipped_steps: int = ranged(10, Ge(0))  # with on_nonfinite=skip: stop after this many non-finite steps in a row
 
 

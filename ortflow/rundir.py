@@ -30,6 +30,7 @@ from ortflow.trainer import LoopState
 
 log = logging.getLogger(__name__)
 
+STARTING, TRAINING = "starting", "training"  # run.json "stage": before / from the loop's start
 # What a run writes into its dir, besides Hydra's own .hydra/ and log file.
 RUN_OUTPUTS = ("run.json", "metrics.jsonl", "tensorboard", "checkpoints", "onnx")
 # Settings that may change between a checkpoint and the run continuing it, without a warning.
@@ -38,6 +39,18 @@ _MAY_CHANGE = ("trainer.resume", "trainer.max_steps", "trainer.checkpoint", "acc
 
 def holds_a_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in (".hydra", "run.json", "checkpoints"))
+
+
+def never_trained(run_dir: Path) -> bool:
+    """The dir's run stopped before its first training step (a config, data or model error, or a signal during
+    start-up): it wrote no checkpoint, and its record says it never reached training. Such a dir may be reused."""
+    record = read_record(run_dir)
+    return (
+        record is not None
+        and record.get("stage") == STARTING
+        and not checkpoint.step_checkpoints(run_dir / "checkpoints")
+        and not (run_dir / "checkpoints" / "final.pt").exists()
+    )
 
 
 def set_aside_previous_attempt(run_dir: Path) -> None:
@@ -118,7 +131,7 @@ class RunDir:
         self.checkpoints = path / "checkpoints"
         self.config = config
         self.world = world or World()
-        self.record = start_record(config, overrides, seed)
+        self.record = start_record(config, overrides, seed) | {"stage": STARTING}
         self.previous = read_record(path)
         if self.previous:
             self.record["attempts"] = _history(self.previous)
@@ -141,10 +154,15 @@ class RunDir:
         self.world = world or self.world
         self.keep = keep
         self.source = find_checkpoint(resume, self.checkpoints)
-        if self.writes and self.source is None and self.previous:
+        # An earlier attempt that trained is moved aside whole; one that never trained stays in "attempts" only.
+        if self.writes and self.source is None and self.previous and self.previous.get("stage") != STARTING:
             set_aside_previous_attempt(self.path)
             self.record.pop("attempts", None)  # moved along with the earlier run.json
         self._write_record()
+
+    @property
+    def stage(self) -> str:
+        return self.record["stage"]
 
     def start(
         self,
@@ -161,6 +179,8 @@ class RunDir:
             load_weights(model, payload, path, max_steps)
         engine = make_engine(model)
         self._engine, self._batches = engine, batches
+        self.record["stage"] = TRAINING  # from here on the dir holds a run that trained (never reused)
+        self._write_record()
         if self.source is None:
             return engine, None
         path, payload = self.source
@@ -233,9 +253,19 @@ class RunDirGuard(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         run_dir = Path(config.hydra.run.dir)
-        if os.environ.get(SHARED_RUN_DIR) or distributed.world_from_env().rank or not holds_a_run(run_dir):
+        if os.environ.get(SHARED_RUN_DIR) or distributed.world_from_env().rank:
             return  # ranks started by ortflow share its run dir; ranks other than 0 leave the dir to rank 0
-        if OmegaConf.select(config, "trainer.resume", default=None) is None:
+        if run_dir.exists() and not run_dir.is_dir():
+            print(
+                f"ortflow: error: hydra.run.dir='{run_dir}' exists and is not a directory; name a new directory.",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(2)
+        if not holds_a_run(run_dir):
+            return
+        reusable = never_trained(run_dir)  # a failed start: the corrected command may use the same dir
+        if OmegaConf.select(config, "trainer.resume", default=None) is None and not reusable:
             print(
                 f"ortflow: error: the run dir '{run_dir}' already holds a run, and ortflow never writes over one. "
                 "Continue that run with trainer.resume=auto, or start a new one in another dir (leave out "

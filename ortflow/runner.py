@@ -23,8 +23,8 @@ from ortflow.errors import OrtflowError
 from ortflow.logger import RunLogger
 from ortflow.rundir import RunDir
 from ortflow.seeding import seed_everything
-from ortflow.signals import Preempted
-from ortflow.trainer import train_loop
+from ortflow.signals import Interrupted, Preempted, interrupt_on_signals
+from ortflow.trainer import fast_dev_run, train_loop
 from ortflow.validate import validate
 
 log = logging.getLogger(__name__)
@@ -102,14 +102,17 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = list(overrides or [])
     world = distributed.world_from_env()  # every rank trains; only rank 0 writes files
+    cfg = fast_dev_run(cfg)
     run = RunDir(run_dir, _config_dict(cfg), overrides, cfg.seed, world)
     try:
-        validate(cfg)  # the wrapper order included: before any process group starts
-        world = distributed.start(cfg.distributed)
-        run.open(cfg.trainer.resume, cfg.trainer.checkpoint.keep, world)
-        metrics, results = _train(cfg, run, overrides, world)
+        with interrupt_on_signals():
+            validate(cfg)  # the wrapper order included: before any process group starts
+            world = distributed.start(cfg.distributed)
+            run.open(cfg.trainer.resume, cfg.trainer.checkpoint.keep, world)
+            metrics, results = _train(cfg, run, overrides, world)
     except BaseException as err:
-        run.finish("preempted" if isinstance(err, Preempted) else "failed", error=f"{type(err).__name__}: {err}")
+        status = {Preempted: "preempted", Interrupted: "interrupted", KeyboardInterrupt: "interrupted"}
+        run.finish(status.get(type(err), "failed"), error=f"{type(err).__name__}: {err}", stage=run.stage)
         raise
     finally:
         distributed.stop()
@@ -151,7 +154,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> 
             cfg.scheduler,
             logger,
             state=state,
-            save=run.save,
+            save=None if cfg.trainer.fast_dev_run else run.save,
             seed=cfg.seed,
             rank=world.rank,
             world_size=world.size,
@@ -171,6 +174,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> 
         logger.hparams(hparams, {k: v for k, v in metrics.items() if isinstance(v, float)})
     finally:
         logger.close()
-    run.write_final(engine.model_state_dict())
+    if not cfg.trainer.fast_dev_run:
+        run.write_final(engine.model_state_dict())
     results["engine"] = execution
     return metrics, results

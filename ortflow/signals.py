@@ -1,4 +1,6 @@
-"""SIGTERM (preemption, `kill`, a scheduler's time limit) asks the loop to checkpoint and stop after this step."""
+"""Signals at any moment of a run. Inside the training loop SIGTERM (preemption, `kill`, a scheduler's time limit)
+asks for a checkpoint after the current step and a clean stop (exit status 0). Anywhere else SIGTERM, and SIGINT
+(Ctrl-C) anywhere, stop the run at once as "interrupted" (exit status 128 + signal). run.json records either."""
 
 import logging
 import signal
@@ -44,3 +46,37 @@ def stop_on_sigterm() -> Iterator[StopRequest]:
         yield request
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class Interrupted(BaseException):
+    """SIGTERM outside the training steps (start-up, export in engine set-up, the end) or SIGINT anywhere: the run
+    stops at once, recorded as "interrupted"; the exit status is 128 + the signal number (143, 130). A
+    BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int, where: str = "") -> None:
+        self.signum = signum
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name}" + (f" during {where}" if where else ""))
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
+@contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """While inside (the whole run, outside the loop's own SIGTERM handling), SIGTERM raises Interrupted and SIGINT
+    raises Interrupted instead of KeyboardInterrupt, so the run's record says what happened."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame) -> None:
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

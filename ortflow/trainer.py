@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from ortflow.accel.engine import Engine, EvalResult
 from ortflow.config import OnNonFinite, OptimConfig, SchedulerConfig, TrainerConfig
 from ortflow.errors import OrtflowError
@@ -40,6 +42,17 @@ class LoopState:
 
 # Called after a step with the state; writes a checkpoint and returns its path.
 SaveCheckpoint = Callable[[LoopState], str]
+
+
+def fast_dev_run(cfg: DictConfig) -> DictConfig:
+    """`trainer.fast_dev_run=N` (N > 0): a smoke run of any recipe. N steps, a loss point every step, one eval batch at
+    the end, no checkpoints (nor final.pt). Returns the config with those settings in place (recorded as such)."""
+    steps = cfg.trainer.fast_dev_run
+    if not steps:
+        return cfg
+    log.info("trainer.fast_dev_run=%d: %d steps, one eval batch at the end, no checkpoints", steps, steps)
+    quick = {"max_steps": steps, "eval_every": 0, "eval_batches": 1, "log_every": 1, "checkpoint": {"every": 0}}
+    return OmegaConf.merge(cfg, {"trainer": quick})
 
 
 def evaluate(engine: Engine, loader: Iterable, max_batches: int | None) -> dict[str, float]:

@@ -1,6 +1,8 @@
 """A model a user brings: referenced as model._target_=tests.user_model.build_model, never registered."""
 
+import inspect
 import os
+import signal
 
 from torch import nn
 
@@ -57,3 +59,44 @@ class DiesOnRank(nn.Module):
 
 def build_dies_on_rank(vocab_size: int, width: int, rank: int, step: int) -> nn.Module:
     return DiesOnRank(vocab_size, width, rank, step)
+
+
+def _inside(filename: str, function: str) -> bool:
+    return any(f.filename.endswith(filename) and f.function == function for f in inspect.stack())
+
+
+class SignalAt(nn.Module):
+    """A bigram model that sends its own process a signal at one moment of a run: while it is built (start-up),
+    while it is exported to ONNX, in its 2nd training forward, in an eval forward, or while a checkpoint of it is
+    written (its state_dict is read during training)."""
+
+    def __init__(self, vocab_size: int, width: int, moment: str, sig: str) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))
+        self.moment, self.sig, self.calls, self.sent = moment, getattr(signal, sig), 0, False
+        if moment == "checkpoint":  # while ortflow's RunDir.save reads the weights to write a checkpoint
+            self._register_state_dict_hook(lambda *_: self._send() if _inside("rundir.py", "save") else None)
+        if moment == "start-up":
+            self._send()
+
+    def _send(self) -> None:
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.sig)
+
+    def forward(self, inputs):
+        import torch
+
+        if self.moment == "export" and torch.onnx.is_in_onnx_export():
+            self._send()
+        elif self.training and not torch.onnx.is_in_onnx_export():
+            self.calls += 1
+            if self.moment == "train" and self.calls == 2:
+                self._send()
+        elif not self.training and self.moment == "eval":
+            self._send()
+        return self.net(inputs)
+
+
+def build_signal_at(vocab_size: int, width: int, moment: str, sig: str) -> nn.Module:
+    return SignalAt(vocab_size, width, moment, sig)

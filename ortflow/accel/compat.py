@@ -86,7 +86,10 @@ def export_training_onnx(model: torch.nn.Module, example: torch.Tensor, path: Pa
     """torch.onnx.export in training mode as ORT's training-artifacts flow expects: parameters kept as
     initializers named like the torch state_dict, no constant folding, dropout kept live.
 
-    The batch dimension is dynamic; other dimensions are those of `example`.
+    Every dimension is static, that of `example` (the engine pads short batches to it). A dynamic batch axis made
+    ORT's Reshape gradient wrong: it rebuilds the input's shape from the inferred one, writing 0 ("copy this
+    dimension from the input") for the symbolic batch dimension, and the input it copies from is the flattened
+    gradient, (B*T, C): a (B, T, C) -> (B*T, C) reshape then fails with "requested shape {B*T,T,C}".
     """
     torch.onnx.export(
         model,
@@ -94,7 +97,6 @@ def export_training_onnx(model: torch.nn.Module, example: torch.Tensor, path: Pa
         str(path),
         input_names=["input"],
         output_names=["logits"],
-        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
         export_params=True,
         do_constant_folding=False,
         training=torch.onnx.TrainingMode.TRAINING,
