@@ -53,6 +53,8 @@ def processes(cfg: DistributedConfig) -> int:
 def problems(cfg: DistributedConfig) -> list[str]:
     """Everything wrong with the wrapper order and launch settings, each naming the key and the fix."""
     found = []
+    if cfg.name not in ("none", *MULTI_PROCESS):
+        found.append(f"distributed.name={cfg.name!r} is not one of {('none', *MULTI_PROCESS)}; choose distributed=ddp.")
     wrappers = list(cfg.wrappers)
     unknown = [w for w in wrappers if w not in WRAPPERS]
     if unknown:

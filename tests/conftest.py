@@ -78,3 +78,28 @@ def run_dirs(root: Path) -> list[Path]:
 @pytest.fixture
 def tiny() -> list[str]:
     return list(TINY)
+
+
+@pytest.fixture
+def ortflow_cli(monkeypatch, capfd):
+    """Run the `ortflow` command line in this process (no interpreter start-up, no torch import: ~20x faster than a
+    subprocess for runs that stop at a config, data or checkpoint error). Returns (exit status, stderr)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ortflow import cli
+
+    def run(*args: str, cwd: Path) -> tuple[int, str]:
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", ["ortflow", *args])
+        GlobalHydra.instance().clear()
+        capfd.readouterr()
+        try:
+            cli.main()
+            status = 0
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else 1
+        finally:
+            GlobalHydra.instance().clear()
+        return status, capfd.readouterr().err
+
+    return run
