@@ -109,8 +109,7 @@ def cases() -> list:
                 kind in (int, float)
                 or is_list
                 or kind is bool
-                or isinstance(kind, type)
-                and issubclass(kind, enum.Enum)
+                or (isinstance(kind, type) and issubclass(kind, enum.Enum))
             ):
                 values += [("wrong-type", "abc"), ("empty", "")]
             elif key in EMPTY_STRINGS_REFUSED:
