@@ -22,3 +22,12 @@ def root_reason(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     last = lines[-1] if lines else ""
     return last if ": " in last else f"{type(err).__name__}: {last}"
+
+
+def is_allocation_failure(err: BaseException) -> bool:
+    """An out-of-memory error from Python, torch's CPU allocator or ONNX Runtime's."""
+    text = str(err)
+    return isinstance(err, MemoryError) or (
+        isinstance(err, RuntimeError)
+        and any(m in text for m in ("DefaultCPUAllocator", "can't allocate memory", "Failed to allocate memory"))
+    )

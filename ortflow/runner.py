@@ -19,7 +19,7 @@ from ortflow.accel.engine import Engine, EngineContext
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
-from ortflow.errors import OrtflowError
+from ortflow.errors import OrtflowError, is_allocation_failure
 from ortflow.logger import RunLogger
 from ortflow.rundir import RunDir
 from ortflow.seeding import seed_everything
@@ -89,6 +89,22 @@ def _config_dict(cfg: DictConfig) -> dict[str, Any]:
         return OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
 
 
+def _out_of_memory(cfg: DictConfig, err: BaseException) -> str:
+    """One paragraph naming the settings that size the memory a step needs, with their values."""
+    sizes = [
+        f"{k}={OmegaConf.select(cfg, k)}" for k in ("data.batch_size", "data.block_size") if k.split(".")[1] in cfg.data
+    ]
+    sizes += [
+        f"model.{k}={cfg.model[k]}" for k in ("d_model", "dim_feedforward", "num_layers", "hidden") if k in cfg.model
+    ]
+    reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+    return (
+        f"the run ran out of memory ({reason}). The memory a step needs grows with {', '.join(sizes)}: lower "
+        "data.batch_size first (then the sequence length or the model width), and run again. Nothing written "
+        "before is lost."
+    )
+
+
 def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """Train as `cfg` says, writing everything under `run_dir`; return the final metrics.
 
@@ -109,7 +125,12 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
             validate(cfg)  # the wrapper order included: before any process group starts
             world = distributed.start(cfg.distributed)
             run.open(cfg.trainer.resume, cfg.trainer.checkpoint.keep, world)
-            metrics, results = _train(cfg, run, overrides, world)
+            try:
+                metrics, results = _train(cfg, run, overrides, world)
+            except (MemoryError, RuntimeError) as err:
+                if not is_allocation_failure(err):
+                    raise
+                raise OrtflowError(_out_of_memory(cfg, err)) from err
     except BaseException as err:
         status = {Preempted: "preempted", Interrupted: "interrupted", KeyboardInterrupt: "interrupted"}
         run.finish(status.get(type(err), "failed"), error=f"{type(err).__name__}: {err}", stage=run.stage)

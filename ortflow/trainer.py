@@ -63,21 +63,31 @@ def evaluate(engine: Engine, loader: Iterable, max_batches: int | None) -> dict[
     return {"eval/loss": total.loss_sum / total.count, "eval/accuracy": total.correct / total.count}
 
 
-def _non_finite(loss: float, step: int, state: LoopState, trainer: TrainerConfig) -> None:
+def _likely_causes(optim: OptimConfig, lr: float, trainer: TrainerConfig) -> str:
+    """The settings that most often make a loss diverge, with their values."""
+    causes = [f"optim.lr={optim.lr} (this step's lr {lr:.3g})"]
+    if "eps" in optim and optim.name.value == "adamw":
+        causes.append(f"optim.eps={optim.eps}")
+    causes.append(f"trainer.grad_clip={trainer.grad_clip}")
+    return ", ".join(causes)
+
+
+def _non_finite(loss: float, step: int, state: LoopState, trainer: TrainerConfig, causes: str) -> None:
     """Stop, or count a skipped step. The engine has not applied the step's update either way."""
     state.skipped_steps += 1
     state.skipped_in_a_row += 1
     if trainer.on_nonfinite == OnNonFinite.stop:
         raise OrtflowError(
             f"The training loss became {loss} at step {step}; the run stopped there, before applying that step. "
-            "The checkpoints written before it are kept. Lower optim.lr, set trainer.grad_clip (e.g. 1.0) or "
-            "check the data, then continue with trainer.resume=auto; or set trainer.on_nonfinite=skip."
+            f"The checkpoints written before it are kept. The likely causes are {causes}: lower optim.lr, raise "
+            "optim.eps or set trainer.grad_clip (e.g. 1.0), or check the data, then continue with "
+            "trainer.resume=auto; or set trainer.on_nonfinite=skip."
         )
     if state.skipped_in_a_row > trainer.max_skipped_steps:
         raise OrtflowError(
             f"The training loss was NaN/inf for {state.skipped_in_a_row} steps in a row (up to step {step}), more "
-            f"than trainer.max_skipped_steps={trainer.max_skipped_steps}; the run stopped. Lower optim.lr or set "
-            "trainer.grad_clip."
+            f"than trainer.max_skipped_steps={trainer.max_skipped_steps}; the run stopped. The likely causes are "
+            f"{causes}: lower optim.lr or set trainer.grad_clip."
         )
     log.warning("step %d: loss %s, update skipped (%d skipped so far)", step, loss, state.skipped_steps)
 
@@ -130,7 +140,7 @@ def train_loop(
                 state.skipped_in_a_row = 0
                 state.window_loss, state.window_n = state.window_loss + loss, state.window_n + 1
             else:
-                _non_finite(loss, step, state, trainer)
+                _non_finite(loss, step, state, trainer, _likely_causes(optim, lr, trainer))
             if step == untimed:
                 state.first_step_s = elapsed
             else:

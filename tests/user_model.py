@@ -100,3 +100,23 @@ class SignalAt(nn.Module):
 
 def build_signal_at(vocab_size: int, width: int, moment: str, sig: str) -> nn.Module:
     return SignalAt(vocab_size, width, moment, sig)
+
+
+class OutOfMemory(nn.Module):
+    """A bigram model whose first training forward fails as torch's CPU allocator does when memory runs out."""
+
+    def __init__(self, vocab_size: int, width: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))
+
+    def forward(self, inputs):
+        if self.training:
+            raise RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you tried to "
+                "allocate 34359738368 bytes."
+            )
+        return self.net(inputs)
+
+
+def build_out_of_memory(vocab_size: int, width: int) -> nn.Module:
+    return OutOfMemory(vocab_size, width)
