@@ -72,7 +72,7 @@ def test_help_lists_the_config_groups(tmp_path):
 def test_cfg_job_prints_the_composed_config_without_training(tmp_path):
     result = run_cli("+recipe=transformer", "accel=artifacts", "--cfg", "job", cwd=tmp_path)
     assert result.returncode == 0
-    assert "name: artifacts" in result.stdout and "max_steps: 800" in result.stdout
+    assert "_target_: ortflow.accel.artifacts.build" in result.stdout and "max_steps: 800" in result.stdout
     assert not (tmp_path / "outputs").exists()
 
 

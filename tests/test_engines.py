@@ -57,7 +57,6 @@ def losses(engine, batches) -> list[float]:
     return [engine.train_step(x, y) for x, y in batches]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "rtol"), [("ortmodule", RTOL_ORTMODULE), ("artifacts", RTOL_ARTIFACTS)])
 def test_loss_parity_with_eager_without_dropout(kind, rtol, batches, tmp_path):
     eager = losses(make_engine("eager", 0.0, batches[0], tmp_path / "e"), batches)
@@ -153,7 +152,6 @@ def test_trained_weights_carry_over_between_engines_by_torch_names(source, targe
     assert second.load_optimizer_state(first.optimizer_state()) == same_runtime
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eager", "ortmodule", "artifacts"])
 def test_a_non_finite_loss_leaves_weights_and_optimizer_untouched(kind, tmp_path):
     torch.manual_seed(0)

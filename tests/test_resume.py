@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ortflow import checkpoint
-from tests.conftest import TINY, USER_ENV, custom_model, run_cli
+from tests.conftest import REPO, TINY, custom_model, run_cli
 
 # Long enough (hundreds of steps) to be killed mid-run, small enough to take seconds per run.
 LONG = [
@@ -165,36 +165,36 @@ def test_a_checkpoint_from_one_accel_mode_continues_in_another(source, target, t
     assert info["engine"]["executed_by"] == ("pytorch" if target == "none" else "onnxruntime")
 
 
-def test_nan_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
-    env = USER_ENV
+def test_nan_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path, ortflow_cli, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
     model = custom_model("build_nan_at_step", nan_steps=[5])
     args = [*model, *TINY[4:], "trainer.checkpoint.every=2"]
-    result = run_cli(*args, "hydra.run.dir=stop", cwd=tmp_path, env=env)
-    assert result.returncode == 2
-    assert "at step 5" in result.stderr and "Traceback" not in result.stderr
+    status, stderr = ortflow_cli(*args, "hydra.run.dir=stop", cwd=tmp_path)
+    assert status == 2
+    assert "at step 5" in stderr and "Traceback" not in stderr
     ckpts = [step for step, _ in checkpoint.step_checkpoints(tmp_path / "stop" / "checkpoints")]
     assert ckpts == [4, 2]
     assert record(tmp_path / "stop")["status"] == "failed"
     kept = checkpoint.load(tmp_path / "stop" / "checkpoints" / "step-00000004.pt")
     assert all(torch.isfinite(w).all() for w in kept["model"].values())
 
-    skipped = run_cli(*args, "trainer.on_nonfinite=skip", "hydra.run.dir=skip", cwd=tmp_path, env=env)
-    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    status, stderr = ortflow_cli(*args, "trainer.on_nonfinite=skip", "hydra.run.dir=skip", cwd=tmp_path)
+    assert status == 0, stderr[-3000:]
     assert record(tmp_path / "skip")["metrics"]["skipped_steps"] == 1
     assert all(torch.isfinite(w).all() for w in final_weights(tmp_path / "skip").values())
 
     many = custom_model("build_nan_at_step", nan_steps=[2, 3, 4])
     skip_two = ["trainer.on_nonfinite=skip", "trainer.max_skipped_steps=2"]
-    result = run_cli(*many, *TINY[4:], *skip_two, cwd=tmp_path, env=env)
-    assert result.returncode == 2 and "trainer.max_skipped_steps=2" in result.stderr
+    status, stderr = ortflow_cli(*many, *TINY[4:], *skip_two, cwd=tmp_path)
+    assert status == 2 and "trainer.max_skipped_steps=2" in stderr
 
 
-def test_a_new_run_never_writes_into_a_dir_that_holds_one(tmp_path):
-    first = run_cli(*TINY, "hydra.run.dir=run", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_a_new_run_never_writes_into_a_dir_that_holds_one(tmp_path, ortflow_cli):
+    status, stderr = ortflow_cli(*TINY, "hydra.run.dir=run", cwd=tmp_path)
+    assert status == 0, stderr[-3000:]
     before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
-    again = run_cli(*TINY, "optim.lr=0.1", "hydra.run.dir=run", cwd=tmp_path)
-    assert again.returncode == 2 and "trainer.resume=auto" in again.stderr
+    status, stderr = ortflow_cli(*TINY, "optim.lr=0.1", "hydra.run.dir=run", cwd=tmp_path)
+    assert status == 2 and "trainer.resume=auto" in stderr
     after = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
     assert after == before
 

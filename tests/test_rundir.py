@@ -103,10 +103,18 @@ def test_ranks_other_than_0_write_nothing(tmp_path):
 
 def test_a_new_run_in_a_dir_with_an_earlier_attempt_moves_it_aside(tmp_path):
     first = _open(tmp_path)
+    first.start(_model(), _engine, _batches(), max_steps=10)  # it trained
     first.finish("failed", error="boom")
     second = _open(tmp_path)
     assert (tmp_path / "previous-attempt-1" / "run.json").is_file()
     assert "attempts" not in second.record
+
+
+def test_an_earlier_attempt_that_never_trained_stays_in_the_record_only(tmp_path):
+    _open(tmp_path).finish("failed", error="config")
+    second = _open(tmp_path)
+    assert not list(tmp_path.glob("previous-attempt-*"))
+    assert second.record["attempts"][0]["error"] == "config"
 
 
 @pytest.mark.parametrize(

@@ -58,9 +58,9 @@ def test_run_json_records_command_code_versions_host_seed_and_engine(tmp_path):
     assert record["engine"]["executed_by"] == "onnxruntime"
 
 
-def test_a_failed_run_is_recorded_with_its_error(tmp_path):
-    result = run_cli("data.source=/no/such/file.txt", *TINY, cwd=tmp_path)
-    assert result.returncode == 2
+def test_a_failed_run_is_recorded_with_its_error(tmp_path, ortflow_cli):
+    status, _ = ortflow_cli("data.source=/no/such/file.txt", *TINY, cwd=tmp_path)
+    assert status == 2
     record = json.loads((run_dirs(tmp_path)[0] / "run.json").read_text())
     assert record["status"] == "failed" and "/no/such/file.txt" in record["error"]
 
@@ -138,9 +138,9 @@ def test_optuna_search_returns_the_objective_and_records_the_best_trial(tmp_path
     assert best_value == pytest.approx(min(float(r["eval/loss"]) for r in summary(sweep_dir)))
 
 
-def test_a_wrong_objective_name_is_an_error_not_a_silent_none(tmp_path):
-    result = run_cli("objective=eval/los", *TINY, cwd=tmp_path)
-    assert result.returncode == 2 and "objective='eval/los'" in result.stderr
+def test_a_wrong_objective_name_is_an_error_not_a_silent_none(tmp_path, ortflow_cli):
+    status, stderr = ortflow_cli("objective=eval/los", *TINY, cwd=tmp_path)
+    assert status == 2 and "objective='eval/los'" in stderr
 
 
 def test_compare_prints_the_differing_keys_and_the_metrics(tmp_path, capsys):
