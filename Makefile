@@ -1,7 +1,8 @@
 # The two README commands. Each sets up .venv first when needed (idempotent), then does its job:
 #   make train                       # ortflow +recipe=transformer accel=ortmodule
 #   make train ARGS="+recipe=digits accel=artifacts"
-#   make test                        # lint + the whole test suite (PYTEST_ARGS="-m 'not slow'" for the fast part)
+#   make test                        # lint + the whole test suite
+#   make test-fast                   # lint + the fast tier (-m 'not slow', ~2 minutes)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ PYTEST_ARGS ?=
 # The ninja wheel (used by the one-time extension build) installs into the venv.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup train test lint
+.PHONY: setup train test test-fast lint
 
 # Install the pinned stack and ortflow (editable). Redone only when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -34,3 +35,6 @@ lint: $(STAMP)
 
 test: setup lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: setup lint
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
