@@ -54,6 +54,9 @@ class TextDataConfig:
     num_workers: int = ranged(0, Ge(0))
     # Largest data.source file read (bytes; each byte becomes one int64 token in memory, 8x the file's size).
     max_bytes: int = ranged(256 * 2**20, Ge(1))
+    # false: the model is sequence-first (e.g. nn.Transformer layers with batch_first=False and no transpose of its
+    # own); it then gets (T, B) token ids and its (T, B, C) outputs are transposed back.
+    batch_first: bool = True
 
 
 @dataclass

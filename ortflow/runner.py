@@ -21,6 +21,8 @@ from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
 from ortflow.errors import OrtflowError, is_allocation_failure
 from ortflow.logger import RunLogger
+from ortflow.model import sequence_first
+from ortflow.model.contract import check_builder_result, check_model
 from ortflow.rundir import RunDir
 from ortflow.seeding import seed_everything
 from ortflow.signals import Interrupted, Preempted, interrupt_on_signals
@@ -154,7 +156,11 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> tuple[dict[str, Any], dict[str, Any]]:
     seed_everything(cfg.seed)
     data: Data = _build("data", cfg.data)
-    model: nn.Module = _build("model", cfg.model)  # the same initial weights on every rank
+    target = cfg.model.get("_target_", "?")
+    model = check_builder_result(_build("model", cfg.model), target)  # the same initial weights on every rank
+    if not data.batch_first:
+        model = sequence_first(model)
+    check_model(model, *example_batch(data.train), target)  # before any engine: the same check for all
     if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
         data.train = distributed.shard(data.train, world, cfg.seed)
     results: dict[str, Any] = {"data": data.info}

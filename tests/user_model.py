@@ -93,7 +93,7 @@ class SignalAt(nn.Module):
             self.calls += 1
             if self.moment == "train" and self.calls == 2:
                 self._send()
-        elif not self.training and self.moment == "eval":
+        elif not self.training and self.moment == "eval" and _inside("trainer.py", "evaluate"):
             self._send()
         return self.net(inputs)
 
@@ -120,3 +120,25 @@ class OutOfMemory(nn.Module):
 
 def build_out_of_memory(vocab_size: int, width: int) -> nn.Module:
     return OutOfMemory(vocab_size, width)
+
+
+class ReturnsInt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(2, 2)
+
+    def forward(self, inputs):
+        return 3
+
+
+def build_returns_int(**_ignored) -> nn.Module:
+    return ReturnsInt()
+
+
+def build_wrong_rank(vocab_size: int, width: int) -> nn.Module:
+    """Logits (B, C) for (B, T) targets: the sequence dimension is pooled away."""
+    return nn.Sequential(nn.Embedding(vocab_size, width), nn.Flatten(), nn.LazyLinear(vocab_size))
+
+
+def build_too_few_classes(vocab_size: int, width: int) -> nn.Module:
+    return nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, 10))

@@ -94,6 +94,7 @@ def build_text_data(
     seed: int,
     num_workers: int = 0,
     max_bytes: int = 256 * 2**20,
+    batch_first: bool = True,
 ) -> Data:
     """Split a byte stream into train (first part) and validation (last part) windows.
 
@@ -105,6 +106,7 @@ def build_text_data(
         seed: seeds the training shuffle (same seed, same batch order).
         num_workers: DataLoader worker processes.
         max_bytes: the largest file read (a regular file only; FIFOs and devices are refused before opening).
+        batch_first: False for a sequence-first model (it gets (T, B) token ids; its outputs are transposed back).
 
     Raises:
         OrtflowError: the file is missing or unreadable, or too small for one train and one val window.
@@ -140,7 +142,8 @@ def build_text_data(
     return Data(
         train,
         val,
-        {
+        batch_first=batch_first,
+        info={
             "source": source,
             "train_windows": len(train_set),
             "val_windows": len(val_set),

@@ -1,0 +1,102 @@
+"""The model contract, checked once on one batch before the first step, the same for every engine.
+
+A builder returns an `nn.Module`. Its forward takes the batch's inputs, `(B, ...)` (or `(T, B, ...)` with
+`data.batch_first=false`), and returns float logits `(B, ..., C)` whose leading dimensions are the targets' and
+whose last dimension C covers every class id in the targets. Samples must not interact across the batch dimension
+(the engines pad short batches, and DDP splits batches): a probe that changes one sample must leave the other
+samples' outputs unchanged. A violation is one OrtflowError naming the builder, what it returned and what was
+expected.
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ortflow.errors import OrtflowError
+
+# Differences below this (relative to the outputs' scale) count as rounding, not as samples interacting.
+_MIX_TOLERANCE = 1e-4
+
+
+def check_builder_result(model: Any, target: str) -> nn.Module:
+    """The builder's result if it is an nn.Module; otherwise one clear error naming the builder."""
+    if not isinstance(model, nn.Module):
+        raise OrtflowError(
+            f"model._target_={target} returned {type(model).__name__} ({_short(model)}), not a torch.nn.Module. A "
+            "model builder is a function (or class) returning the nn.Module to train."
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise OrtflowError(f"model._target_={target} returned a model without trainable parameters; nothing to train.")
+    return model
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@torch.no_grad()
+def check_model(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, target: str) -> None:
+    """Run the contract's checks on one batch, in eval mode (no dropout), leaving the model as it was."""
+    was_training = model.training
+    model.eval()
+    try:
+        try:
+            out = model(inputs)
+        except Exception as err:
+            raise OrtflowError(
+                f"model._target_={target}: the model's forward failed on a data batch of inputs "
+                f"{tuple(inputs.shape)} {inputs.dtype} ({type(err).__name__}: {str(err).strip().splitlines()[0]}). "
+                "Check that the model fits the data (e.g. data=digits gives 64 float features per sample, data=text "
+                "gives int64 token ids)."
+            ) from None
+        _check_logits(out, targets, target)
+        _check_independence(model, inputs, out, target)
+    finally:
+        model.train(was_training)
+
+
+def _check_logits(out: Any, targets: torch.Tensor, target: str) -> None:
+    expected = f"float logits of shape {(*targets.shape, 'C')} (the targets' shape plus the classes)"
+    if not isinstance(out, torch.Tensor):
+        raise OrtflowError(
+            f"model._target_={target}: forward returned {type(out).__name__} ({_short(out)}); expected {expected}."
+        )
+    if not out.is_floating_point():
+        raise OrtflowError(f"model._target_={target}: forward returned a {out.dtype} tensor; expected {expected}.")
+    if out.dim() != targets.dim() + 1 or tuple(out.shape[:-1]) != tuple(targets.shape):
+        raise OrtflowError(
+            f"model._target_={target}: forward returned logits of shape {tuple(out.shape)}; expected {expected}."
+        )
+    classes = int(targets.max()) + 1 if targets.numel() else 0
+    if out.size(-1) < classes:
+        raise OrtflowError(
+            f"model._target_={target}: forward returns {out.size(-1)} classes, but the data has class ids up to "
+            f"{classes - 1}; the model needs at least {classes} outputs (e.g. model.vocab_size / num_classes)."
+        )
+
+
+def _check_independence(model: nn.Module, inputs: torch.Tensor, out: torch.Tensor, target: str) -> None:
+    """Change sample 0's inputs; the other samples' outputs must not move."""
+    if inputs.size(0) < 2:
+        return
+    probe = inputs.clone()
+    probe[0] = inputs[1] if not torch.equal(inputs[0], inputs[1]) else _perturbed(inputs[0])
+    moved = (model(probe)[1:] - out[1:]).abs().max()
+    scale = out[1:].abs().max().clamp_min(1.0)
+    if moved > _MIX_TOLERANCE * scale:
+        raise OrtflowError(
+            f"model._target_={target} mixes samples across the batch dimension: changing one sample of a batch "
+            "changed the other samples' outputs. ortflow hands batches batch-first, (B, T, ...); the likely cause is "
+            "a sequence-first layer (e.g. nn.TransformerEncoderLayer or nn.MultiheadAttention with "
+            "batch_first=False, nn.GRU/LSTM without batch_first=True) fed batch-first data. Set "
+            "data.batch_first=false to hand the model (T, B, ...) inputs (its outputs are transposed back), or "
+            "make the model batch-first. (BatchNorm in training mode also mixes samples; it is checked in eval mode.)"
+        )
+
+
+def _perturbed(sample: torch.Tensor) -> torch.Tensor:
+    if sample.is_floating_point():
+        return sample + 1.0
+    return (sample + 1) % max(int(sample.max()) + 1, 2)
