@@ -6,8 +6,10 @@ original parameter names. Owns its config checks (opset range, what ORT's optimi
 multi-process wrappers) and its own ORT session settings.
 """
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,39 @@ def problems(cfg: DictConfig) -> list[str]:
     return found
 
 
+# ONNX ops in a model that ORT's training API cannot train correctly, and why.
+UNSUPPORTED_OPS = {
+    "BatchNormalization": (
+        "ORT's artifact generation turns BatchNormalization to inference mode in the eval graph but keeps its "
+        "training-mode outputs (running mean and variance), so ORT refuses to load that eval graph ('This number of "
+        "op outputs should be 1 when Training_mode = False')"
+    ),
+}
+
+
+def refuse_unsupported(forward: onnx.ModelProto) -> None:
+    """Refuse, before any training, a model holding an op the artifacts engine cannot train correctly."""
+    for op, reason in UNSUPPORTED_OPS.items():
+        nodes = [n.name or n.output[0] for n in forward.graph.node if n.op_type == op]
+        if nodes:
+            raise OrtflowError(
+                f"accel=artifacts cannot train this model: it has {len(nodes)} {op} node(s) ({', '.join(nodes[:3])}). "
+                f"{reason}. Use accel=ortmodule or accel=none for it."
+            )
+
+
+@contextlib.contextmanager
+def _cannot_train(what: str) -> Iterator[None]:
+    """ORT's errors while it builds or loads a model's graphs, as one paragraph naming the op or construct."""
+    try:
+        yield
+    except (RuntimeError, ValueError, AssertionError, onnx.checker.ValidationError) as err:
+        raise OrtflowError(
+            f"accel=artifacts cannot train this model: ORT's training API failed to {what} ({root_reason(err)}). "
+            "Use accel=ortmodule or accel=none for it."
+        ) from err
+
+
 def build(ctx: EngineContext, **settings: Any) -> "ArtifactsEngine":
     return ArtifactsEngine(ctx, Settings(**settings))
 
@@ -116,9 +151,10 @@ class ArtifactsEngine:
         with compat.quiet_export():
             compat.export_training_onnx(FlatLogits(model), example_inputs, forward_path, accel.opset)
         forward = onnx.load(str(forward_path))
+        refuse_unsupported(forward)
         compat.prepare_training_graph(forward, accel.rewrite_gathers)
         params = dict(model.named_parameters())
-        with compat.quiet_root_logger():
+        with compat.quiet_root_logger(), _cannot_train("build its training graph"):
             artifacts.generate_artifacts(
                 forward,
                 requires_grad=[_PREFIX + n for n, p in params.items() if p.requires_grad],
@@ -131,7 +167,8 @@ class ArtifactsEngine:
         self.onnx_dir = onnx_dir
         self.options = onnxruntime.SessionOptions()
         compat.apply_session_settings(self.options, accel.intra_op_threads, accel.allow_spinning)
-        self._open(onnx_dir / "checkpoint", optim.lr)
+        with _cannot_train("load its training and eval graphs"):
+            self._open(onnx_dir / "checkpoint", optim.lr)
         self.steps = 0
         self.evals = 0
         log.info("artifacts in %s; ORT trains %d parameter tensors", onnx_dir, len(params))
