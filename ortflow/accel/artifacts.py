@@ -75,6 +75,31 @@ UNSUPPORTED_OPS = {
 }
 
 
+def custom_functions(model: nn.Module, inputs: torch.Tensor) -> list[str]:
+    """The custom torch.autograd.Function classes a forward pass of `model` goes through (found in its autograd
+    graph). The ONNX export inlines their forward ops, so ORT would differentiate those ops and silently ignore the
+    Function's own backward (a straight-through estimator, say)."""
+    found, seen, stack = set(), set(), []
+    training = model.training
+    model.eval()  # no dropout draws, no BatchNorm statistics updated by this probe
+    try:
+        with torch.enable_grad():
+            out = model(inputs)
+    finally:
+        model.train(training)
+    if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+        stack.append(out.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            found.add(type(node).__name__.removesuffix("Backward"))
+        stack += [next_node for next_node, _ in node.next_functions]
+    return sorted(found)
+
+
 def refuse_unsupported(forward: onnx.ModelProto) -> None:
     """Refuse, before any training, a model holding an op the artifacts engine cannot train correctly."""
     for op, reason in UNSUPPORTED_OPS.items():
@@ -148,11 +173,18 @@ class ArtifactsEngine:
         onnx_dir.mkdir(parents=True, exist_ok=True)
         forward_path = onnx_dir / "forward.onnx"
         model.train()
+        if functions := custom_functions(model, example_inputs):
+            raise OrtflowError(
+                f"accel=artifacts cannot train this model: it uses the custom torch.autograd.Function "
+                f"{', '.join(functions)}. The ONNX export keeps only its forward ops, so ORT would differentiate "
+                "those and silently ignore the Function's own backward. Use accel=ortmodule (it runs such Functions "
+                "through torch, backward included) or accel=none."
+            )
         with compat.quiet_export():
             compat.export_training_onnx(FlatLogits(model), example_inputs, forward_path, accel.opset)
         forward = onnx.load(str(forward_path))
         refuse_unsupported(forward)
-        compat.prepare_training_graph(forward, accel.rewrite_gathers)
+        self.graph_fixes = compat.prepare_training_graph(forward, accel.rewrite_gathers)
         params = dict(model.named_parameters())
         with compat.quiet_root_logger(), _cannot_train("build its training graph"):
             artifacts.generate_artifacts(
@@ -249,4 +281,5 @@ class ArtifactsEngine:
             "executed_by": "onnxruntime",
             "ort_train_steps": self.steps,
             "ort_eval_batches": self.evals,
+            "graph_fixes": self.graph_fixes,
         }

@@ -171,12 +171,16 @@ def constant_gathers_to_slices(model: onnx.ModelProto) -> int:
     return changed
 
 
-def prepare_training_graph(model: onnx.ModelProto, rewrite_gathers: bool = True) -> None:
-    """All graph fixes ortflow applies to an exported forward graph before ORT builds its gradient."""
-    if changed := add_dropout_masks(model):
-        log.debug("added the mask output to %d Dropout node(s)", changed)
-    if rewrite_gathers and (changed := constant_gathers_to_slices(model)):
-        log.debug("rewrote %d constant-index Gather node(s) as Slice", changed)
+def prepare_training_graph(model: onnx.ModelProto, rewrite_gathers: bool = True) -> dict[str, int]:
+    """All graph fixes ortflow applies to an exported forward graph before ORT builds its gradient; returns how
+    many nodes each fix changed (only the fixes that changed something)."""
+    fixes = {"dropout_mask_outputs": add_dropout_masks(model)}
+    if rewrite_gathers:
+        fixes["constant_gathers_to_slices"] = constant_gathers_to_slices(model)
+    fixes = {name: count for name, count in fixes.items() if count}
+    if fixes:
+        log.debug("graph fixes applied: %s", fixes)
+    return fixes
 
 
 class OrtRunCounter:
@@ -209,6 +213,7 @@ class SessionSettings:
 class _Scope:
     settings: SessionSettings
     runs: OrtRunCounter
+    fixes: dict[str, int]
 
 
 # The engine whose ORTModule is running in this thread right now (set around each of its calls by `ortmodule_scope`):
@@ -258,7 +263,9 @@ def patch_ortmodule() -> None:
     def get_exported_with_masks(*args, **kwargs):
         exported_model, output_schema = get_exported(*args, **kwargs)
         scope = _ACTIVE.get()
-        prepare_training_graph(exported_model, scope.settings.rewrite_gathers if scope else True)
+        fixes = prepare_training_graph(exported_model, scope.settings.rewrite_gathers if scope else True)
+        if scope is not None:
+            scope.fixes.update(fixes)
         return exported_model, output_schema
 
     def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -285,11 +292,12 @@ def patch_ortmodule() -> None:
 
 
 @contextlib.contextmanager
-def ortmodule_scope(settings: SessionSettings, runs: OrtRunCounter) -> Iterator[None]:
+def ortmodule_scope(settings: SessionSettings, runs: OrtRunCounter, fixes: dict[str, int]) -> Iterator[None]:
     """Around every call into one engine's ORTModule: ORT's export, session creation and runs inside see this
-    engine's settings and count into its counter; torch's fused MHA inference path (which cannot be exported:
-    ORTModule would fall back to PyTorch in eval and stay there) is off only for the duration."""
-    token = _ACTIVE.set(_Scope(settings, runs))
+    engine's settings, count into its counter and record the graph fixes applied into `fixes`; torch's fused MHA
+    inference path (which cannot be exported: ORTModule would fall back to PyTorch in eval and stay there) is off
+    only for the duration."""
+    token = _ACTIVE.set(_Scope(settings, runs, fixes))
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:

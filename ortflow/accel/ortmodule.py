@@ -109,6 +109,7 @@ class ORTModuleEngine:
             settings.intra_op_threads, settings.allow_spinning, settings.rewrite_gathers
         )
         self.runs = compat.OrtRunCounter()  # this engine's own ORT runs: the proof that ORT executed
+        self.graph_fixes: dict[str, int] = {}  # ortflow's fixes applied to the exported graphs
         with compat.ortmodule_construction(fallback_allowed=settings.fallback == Fallback.warn, opset=settings.opset):
             from onnxruntime.training.ortmodule import ORTModule
 
@@ -124,7 +125,7 @@ class ORTModuleEngine:
         """Call `step` in this engine's ORT scope, turning ORTModule's "cannot run this model" exceptions into a
         clear user error."""
         try:
-            with compat.ortmodule_scope(self.session, self.runs):
+            with compat.ortmodule_scope(self.session, self.runs, self.graph_fixes):
                 return step(inputs, targets)
         except compat.ortmodule_fallback_error() as err:
             raise OrtflowError(
@@ -191,4 +192,5 @@ class ORTModuleEngine:
             "torch_fallback_train_steps": self.torch_steps,
             "ort_eval_batches": self.ort_evals,
             "torch_fallback_eval_batches": self.torch_evals,
+            "graph_fixes": dict(self.graph_fixes),
         }

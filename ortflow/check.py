@@ -1,0 +1,160 @@
+"""`ortflow-check [OVERRIDES]`: before choosing `accel=`, try every accel mode for a few steps on the model and data
+the overrides describe, and print one table: whether each mode trains (or the one-line reason it does not), loss
+parity against eager on the same batches and the same initial weights (dropout off), step time, and the graph fixes
+ortflow applied. The result also goes to a JSON file (`--out`, default outputs/check/<time>.json).
+"""
+
+import argparse
+import copy
+import itertools
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from ortflow import accel
+from ortflow.config import register_configs
+from ortflow.data.resumable import ResumableBatches
+from ortflow.errors import OrtflowError, root_reason
+from ortflow.model import sequence_first
+from ortflow.model.contract import check_builder_result, check_model
+from ortflow.paths import config_dir
+from ortflow.runner import _build, engine_context, example_batch
+from ortflow.seeding import seed_everything, seed_step
+from ortflow.validate import problems
+
+MODES = ("none", "ortmodule", "artifacts")
+
+
+def _compose(overrides: list[str], mode: str):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose("config", [*overrides, f"accel={mode}", "logger.progress=false"])
+
+
+def without_dropout(model: nn.Module) -> nn.Module:
+    """The same model with every dropout probability at 0: the runtimes would otherwise draw different masks."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        if isinstance(module, nn.MultiheadAttention):
+            module.dropout = 0.0
+    return model
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    if isinstance(err, OrtflowError):
+        return " ".join(line.strip(" -") for line in text)
+    return root_reason(err)
+
+
+def try_mode(mode: str, overrides: list[str], steps: int, model: nn.Module, reference: list[float] | None):
+    """Train `steps` steps of a copy of `model` in `mode`; a row of the table."""
+    row: dict[str, Any] = {"mode": mode}
+    try:
+        cfg = _compose(overrides, mode)
+        if found := problems(cfg):
+            raise OrtflowError("; ".join(found))
+        seed_everything(cfg.seed)
+        data = _build("data", cfg.data)
+        batches = list(itertools.islice(ResumableBatches(data.train), steps))
+        with tempfile.TemporaryDirectory(prefix="ortflow-check-") as tmp:
+            engine = accel.build(cfg.accel, engine_context(cfg, copy.deepcopy(model), data, Path(tmp)))
+            losses, times = [], []
+            for step, (x, y) in enumerate(batches, start=1):
+                seed_step(cfg.seed, step)
+                start = time.perf_counter()
+                losses.append(engine.train_step(x, y))
+                times.append(time.perf_counter() - start)
+            info = engine.describe()
+    except Exception as err:  # every failure is a result here, reported in the table
+        return row | {"trains": False, "reason": _one_line(err)}
+    row |= {
+        "trains": info["executed_by"] in ("pytorch", "onnxruntime") and all(map(math.isfinite, losses)),
+        "executed_by": info["executed_by"],
+        "losses": losses,
+        "first_step_s": times[0],
+        "step_ms": 1000 * statistics.median(times[1:]) if len(times) > 1 else float("nan"),
+        "graph_fixes": info.get("graph_fixes", {}),
+    }
+    if reference is not None and len(reference) == len(losses):
+        row["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+    return row
+
+
+def check(overrides: list[str], steps: int, modes: list[str]) -> dict[str, Any]:
+    """Build the model once (checking its contract), then try each mode on a copy of it."""
+    register_configs()
+    cfg = _compose(overrides, "none")
+    seed_everything(cfg.seed)
+    data = _build("data", cfg.data)
+    target = cfg.model.get("_target_", "?")
+    model = check_builder_result(_build("model", cfg.model), target)
+    if not data.batch_first:
+        model = sequence_first(model)
+    check_model(model, *example_batch(data.train), target)
+    model = without_dropout(model)
+    rows, reference = [], None
+    for mode in ["none", *[m for m in modes if m != "none"]]:
+        row = try_mode(mode, overrides, steps, model, reference)
+        if mode == "none":
+            reference = row.get("losses")
+        if mode in modes:
+            rows.append(row)
+    return {"overrides": overrides, "steps": steps, "model": target, "rows": rows, "torch": torch.__version__}
+
+
+def _table(report: dict[str, Any]) -> Table:
+    table = Table(title=f"ortflow-check: {report['model']} ({report['steps']} steps, dropout off)")
+    for column in ("accel", "trains", "executed by", "loss vs eager", "step ms", "first step s", "graph fixes"):
+        table.add_column(column)
+    for r in report["rows"]:
+        if not r["trains"]:
+            table.add_row(r["mode"], "[red]no[/red]: " + r.get("reason", r.get("executed_by", "")), "", "", "", "", "")
+            continue
+        parity = r.get("max_rel_loss_diff")
+        table.add_row(
+            r["mode"],
+            "[green]yes[/green]",
+            r["executed_by"],
+            "reference" if r["mode"] == "none" else (f"{parity:.1e}" if parity is not None else "-"),
+            f"{r['step_ms']:.1f}",
+            f"{r['first_step_s']:.2f}",
+            ", ".join(f"{k}={v}" for k, v in r["graph_fixes"].items()) or "-",
+        )
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ortflow-check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="the same overrides as a training run (accel= is ignored)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps per mode (default 5)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated accel modes (default: all)")
+    parser.add_argument("--out", type=Path, help="JSON file (default outputs/check/<time>.json)")
+    args = parser.parse_args(argv)
+    overrides = [o for o in args.overrides if not o.startswith("accel=")]
+    try:
+        report = check(overrides, max(args.steps, 2), args.modes.split(","))
+    except OrtflowError as err:
+        print(f"ortflow-check: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    Console(width=None if sys.stdout.isatty() else 200).print(_table(report))
+    out = args.out or Path("outputs") / "check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()

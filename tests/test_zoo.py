@@ -1,0 +1,71 @@
+"""Model zoo: each family tried for a few steps in every accel mode by `ortflow-check` (dropout off, same weights and
+batches): it trains with loss parity against eager, or the mode refuses it with one line naming why."""
+
+import pytest
+
+from ortflow.check import check
+from ortflow.errors import OrtflowError
+from tests.conftest import REPO
+
+TEXT = ["data.block_size=16", "data.batch_size=8"]
+DIGITS = ["data=digits", "data.batch_size=32"]
+# Measured max relative loss differences are 1e-7..1e-6 (ORTModule) and ~1e-5 (artifacts: ORT's AdamW graph).
+RTOL = {"ortmodule": 1e-5, "artifacts": 1e-4}
+# family -> (data overrides, {mode: text of its refusal} for the modes that refuse it)
+ZOO = {
+    "mlp": (DIGITS, {}),
+    "cnn_batchnorm": (DIGITS, {"artifacts": "BatchNormalization"}),
+    "gru_lm": (TEXT, {}),
+    "gpt_block": (TEXT, {}),
+    "tied_embeddings": (TEXT, {}),
+    "frozen_submodule": (TEXT, {}),
+    "custom_function": (TEXT, {"artifacts": "torch.autograd.Function ScaledTanh"}),
+    "buffers": (TEXT, {}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(ZOO))
+def test_every_family_trains_with_parity_or_is_refused_with_a_reason(family, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    data, refused = ZOO[family]
+    report = check(["model=custom", f"model._target_=tests.zoo.{family}", *data], 3, ["none", "ortmodule", "artifacts"])
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert rows["none"]["trains"], rows["none"]
+    for mode in ("ortmodule", "artifacts"):
+        row = rows[mode]
+        if mode in refused:
+            assert not row["trains"] and refused[mode] in row["reason"], row
+            continue
+        assert row["trains"] and row["executed_by"] == "onnxruntime", row
+        assert row["max_rel_loss_diff"] < RTOL[mode], row
+
+
+def test_the_seeds_sequence_first_transformer_trains_in_every_mode_by_config(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    overrides = ["model=custom", "model._target_=tests.seed_model.build", *TEXT, "data.batch_first=false"]
+    rows = {r["mode"]: r for r in check(overrides, 3, ["none", "ortmodule", "artifacts"])["rows"]}
+    assert all(r["trains"] for r in rows.values()), rows
+    assert rows["ortmodule"]["max_rel_loss_diff"] < RTOL["ortmodule"]
+    assert rows["artifacts"]["max_rel_loss_diff"] < RTOL["artifacts"]
+
+
+@pytest.mark.parametrize(("family", "says"), [("two_inputs", "forward failed"), ("returns_dict", "returned dict")])
+def test_what_the_contract_does_not_cover_yet_is_refused_before_any_mode(family, says, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    with pytest.raises(OrtflowError, match=says):
+        check(["model=custom", f"model._target_=tests.zoo.{family}", *TEXT], 3, ["none"])
+
+
+def test_ortflow_check_prints_one_table_and_writes_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from ortflow.check import main
+
+    out = tmp_path / "check.json"
+    main(["model=custom", "model._target_=tests.zoo.mlp", *DIGITS, "--steps", "2", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "ortflow-check" in printed and "ortmodule" in printed and "artifacts" in printed
+    import json
+
+    report = json.loads(out.read_text())
+    assert [r["mode"] for r in report["rows"]] == ["none", "ortmodule", "artifacts"]
+    assert all(r["trains"] for r in report["rows"])

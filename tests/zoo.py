@@ -1,0 +1,161 @@
+"""A zoo of small model families a user might bring, each a plain builder for `model._target_`."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def mlp(num_classes: int = 10) -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, num_classes))
+
+
+def cnn_batchnorm(num_classes: int = 10) -> nn.Module:
+    """A CNN with BatchNorm on the digits as 8x8 images."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 64, num_classes),
+    )
+
+
+class GRULanguageModel(nn.Module):
+    def __init__(self, vocab_size: int = 256, width: int = 16) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, width)
+        self.rnn = nn.GRU(width, width, batch_first=True)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens):
+        out, _ = self.rnn(self.embedding(tokens))
+        return self.head(out)
+
+
+def gru_lm() -> nn.Module:
+    return GRULanguageModel()
+
+
+class GPTBlock(nn.Module):
+    """A causal self-attention block written with F.scaled_dot_product_attention, batch-first."""
+
+    def __init__(self, vocab_size: int = 256, width: int = 16, heads: int = 2, block: int = 64) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embedding = nn.Embedding(vocab_size, width)
+        self.position = nn.Parameter(torch.zeros(block, width))
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens):
+        b, t = tokens.shape
+        x = self.embedding(tokens) + self.position[:t]
+        q, k, v = self.qkv(self.norm1(x)).split(x.size(-1), dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.proj(attn)
+        x = x + self.mlp(self.norm2(x))
+        return self.head(x)
+
+
+def gpt_block() -> nn.Module:
+    return GPTBlock()
+
+
+class TiedEmbeddings(nn.Module):
+    def __init__(self, vocab_size: int = 256, width: int = 16) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, width)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+        self.head.weight = self.embedding.weight  # one tensor, two uses
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.embedding(tokens))))
+
+
+def tied_embeddings() -> nn.Module:
+    return TiedEmbeddings()
+
+
+def frozen_submodule() -> nn.Module:
+    model = nn.Sequential(nn.Embedding(256, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 256))
+    for p in model[0].parameters():
+        p.requires_grad = False  # a frozen pretrained embedding
+    return model
+
+
+class ScaledTanh(torch.autograd.Function):
+    """A custom autograd Function: tanh(x) * 2 with its own backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return 2 * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * 2 * (1 - y * y)
+
+
+class WithCustomFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(256, 16), nn.Linear(16, 256)
+
+    def forward(self, tokens):
+        return self.head(ScaledTanh.apply(self.embedding(tokens)))
+
+
+def custom_function() -> nn.Module:
+    return WithCustomFunction()
+
+
+class WithBuffers(nn.Module):
+    """A registered buffer (a fixed sinusoidal position table) used in forward."""
+
+    def __init__(self, width: int = 16, block: int = 64) -> None:
+        super().__init__()
+        position = torch.arange(block).unsqueeze(1) / (10000 ** (torch.arange(width) / width))
+        self.register_buffer("table", torch.sin(position) / math.sqrt(width))
+        self.embedding, self.head = nn.Embedding(256, width), nn.Linear(width, 256)
+
+    def forward(self, tokens):
+        return self.head(self.embedding(tokens) + self.table[: tokens.size(1)])
+
+
+def buffers() -> nn.Module:
+    return WithBuffers()
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(256, 16), nn.Linear(16, 256)
+
+    def forward(self, tokens, mask):
+        return self.head(self.embedding(tokens) * mask.unsqueeze(-1))
+
+
+def two_inputs() -> nn.Module:
+    return TwoInputs()
+
+
+class ReturnsDict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(256, 16), nn.Linear(16, 256)
+
+    def forward(self, tokens):
+        return {"logits": self.head(self.embedding(tokens))}
+
+
+def returns_dict() -> nn.Module:
+    return ReturnsDict()
