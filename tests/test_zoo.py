@@ -56,16 +56,16 @@ def test_what_the_contract_does_not_cover_yet_is_refused_before_any_mode(family,
         check(["model=custom", f"model._target_=tests.zoo.{family}", *TEXT], 3, ["none"])
 
 
-def test_ortflow_check_prints_one_table_and_writes_json(tmp_path, capsys, monkeypatch):
+def test_ortflow_check_prints_one_table_and_writes_json(tmp_path, capfd, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     from ortflow.check import main
 
     out = tmp_path / "check.json"
     main(["model=custom", "model._target_=tests.zoo.mlp", *DIGITS, "--steps", "2", "--out", str(out)])
-    printed = capsys.readouterr().out
+    printed = capfd.readouterr().out
     assert "ortflow-check" in printed and "ortmodule" in printed and "artifacts" in printed
     import json
 
     report = json.loads(out.read_text())
     assert [r["mode"] for r in report["rows"]] == ["none", "ortmodule", "artifacts"]
-    assert all(r["trains"] for r in report["rows"])
+    assert all(r["trains"] for r in report["rows"]), report["rows"]
