@@ -149,15 +149,15 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly_then_resumes_exactly(refe
 @pytest.mark.parametrize(
     ("source", "target"), [("none", "ortmodule"), ("ortmodule", "artifacts"), ("artifacts", "none")]
 )
-def test_a_checkpoint_from_one_accel_mode_continues_in_another(source, target, tmp_path):
+def test_a_checkpoint_from_one_accel_mode_continues_in_another(source, target, tmp_path, ortflow_cli):
     short = [*TINY, "trainer.checkpoint.every=3"]
-    first = run_cli(*short, f"accel={source}", "hydra.run.dir=first", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    status, stderr = ortflow_cli(*short, f"accel={source}", "hydra.run.dir=first", cwd=tmp_path)
+    assert status == 0, stderr[-3000:]
     ckpt = tmp_path / "first" / "checkpoints" / "step-00000006.pt"
-    second = run_cli(
+    status, stderr = ortflow_cli(
         *short, f"accel={target}", "trainer.max_steps=9", f"trainer.resume={ckpt}", "hydra.run.dir=second", cwd=tmp_path
     )
-    assert second.returncode == 0, second.stderr[-3000:]
+    assert status == 0, stderr[-3000:]
     info = record(tmp_path / "second")
     assert info["resumed_from"]["written_by_accel"] == source and info["resumed_from"]["step"] == 6
     torch_optim = {"none", "ortmodule"}

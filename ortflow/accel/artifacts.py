@@ -198,6 +198,7 @@ class ArtifactsEngine:
             )
         self.onnx_dir = onnx_dir
         self.options = onnxruntime.SessionOptions()
+        self.options.log_severity_level = 3  # errors only: ORT logs every graph transformer it applies at INFO
         compat.apply_session_settings(self.options, accel.intra_op_threads, accel.allow_spinning)
         with _cannot_train("load its training and eval graphs"):
             self._open(onnx_dir / "checkpoint", optim.lr)
