@@ -27,14 +27,13 @@ from ortflow import accel
 from ortflow.config import register_configs
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError, root_reason
-from ortflow.model import sequence_first
-from ortflow.model.contract import check_builder_result, check_model
 from ortflow.paths import config_dir
-from ortflow.runner import _build, engine_context, example_batch
+from ortflow.runner import _build, build_model, engine_context
 from ortflow.seeding import seed_everything, seed_step
 from ortflow.validate import problems
 
-MODES = ("none", "ortmodule", "artifacts")
+# Every accel mode the config tree offers (conf/accel/*.yaml), eager first: it is the reference.
+MODES = tuple(sorted((p.stem for p in (config_dir() / "accel").glob("*.yaml")), key=lambda m: (m != "none", m)))
 
 
 def _compose(overrides: list[str], mode: str):
@@ -99,12 +98,7 @@ def check(overrides: list[str], steps: int, modes: list[str]) -> dict[str, Any]:
     cfg = _compose(overrides, "none")
     seed_everything(cfg.seed)
     data = _build("data", cfg.data)
-    target = cfg.model.get("_target_", "?")
-    model = check_builder_result(_build("model", cfg.model), target)
-    if not data.batch_first:
-        model = sequence_first(model)
-    check_model(model, *example_batch(data.train), target)
-    model = without_dropout(model)
+    model = without_dropout(build_model(cfg, data))
     rows, reference = [], None
     for mode in ["none", *[m for m in modes if m != "none"]]:
         row = try_mode(mode, overrides, steps, model, reference)
@@ -112,6 +106,7 @@ def check(overrides: list[str], steps: int, modes: list[str]) -> dict[str, Any]:
             reference = row.get("losses")
         if mode in modes:
             rows.append(row)
+    target = cfg.model.get("_target_", "?")
     return {"overrides": overrides, "steps": steps, "model": target, "rows": rows, "torch": torch.__version__}
 
 

@@ -49,6 +49,17 @@ def example_batch(loader: torch.utils.data.DataLoader) -> tuple[torch.Tensor, to
     return loader.collate_fn([dataset[i] for i in range(min(size, len(dataset)))])
 
 
+def build_model(cfg: DictConfig, data: Data) -> nn.Module:
+    """The model the config names, checked against the model contract on one batch (the same check for every
+    engine), adapted to batch-first batches when the data says the model is sequence-first."""
+    target = cfg.model.get("_target_", "?")
+    model = check_builder_result(_build("model", cfg.model), target)
+    if not data.batch_first:
+        model = sequence_first(model)
+    check_model(model, *example_batch(data.train), target)
+    return model
+
+
 def engine_context(cfg: DictConfig, model: nn.Module, data: Data, run_dir: Path, world: World | None = None):
     """What every engine is built from: the model, an example batch, the optim/clip/debug settings, where to write
     ONNX files, and the distributed wrappers (DDP) to put outside the engine's own."""
@@ -156,11 +167,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> tuple[dict[str, Any], dict[str, Any]]:
     seed_everything(cfg.seed)
     data: Data = _build("data", cfg.data)
-    target = cfg.model.get("_target_", "?")
-    model = check_builder_result(_build("model", cfg.model), target)  # the same initial weights on every rank
-    if not data.batch_first:
-        model = sequence_first(model)
-    check_model(model, *example_batch(data.train), target)  # before any engine: the same check for all
+    model = build_model(cfg, data)  # the same initial weights on every rank
     if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
         data.train = distributed.shard(data.train, world, cfg.seed)
     results: dict[str, Any] = {"data": data.info}
