@@ -33,8 +33,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check ortflow tests
 	$(BIN)/ruff format --check ortflow tests
 
+# Tests run on every core (pytest-xdist): they are independent (own tmp dirs, free ports, in-process Hydra state
+# per worker). PYTEST_ARGS="-n 0" runs them in one process.
 test: setup lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto $(PYTEST_ARGS)
 
 test-fast: setup lint
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto -m "not slow" $(PYTEST_ARGS)
