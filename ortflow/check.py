@@ -41,10 +41,13 @@ def _compose(overrides: list[str], mode: str):
         return compose("config", [*overrides, f"accel={mode}", "logger.progress=false"])
 
 
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
 def without_dropout(model: nn.Module) -> nn.Module:
     """The same model with every dropout probability at 0: the runtimes would otherwise draw different masks."""
     for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
+        if isinstance(module, DROPOUTS):
             module.p = 0.0
         if isinstance(module, nn.MultiheadAttention):
             module.dropout = 0.0

@@ -14,7 +14,7 @@ RTOL = {"ortmodule": 1e-5, "artifacts": 1e-4}
 # family -> (data overrides, {mode: text of its refusal} for the modes that refuse it)
 ZOO = {
     "mlp": (DIGITS, {}),
-    "cnn_batchnorm": (DIGITS, {"artifacts": "BatchNormalization"}),
+    "cnn_batchnorm": (DIGITS, {"ortmodule": "BatchNorm layers", "artifacts": "BatchNormalization"}),
     "gru_lm": (TEXT, {}),
     "gpt_block": (TEXT, {}),
     "tied_embeddings": (TEXT, {}),
