@@ -21,7 +21,7 @@ from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
 from ortflow.errors import OrtflowError, is_allocation_failure
 from ortflow.logger import RunLogger
-from ortflow.model import sequence_first
+from ortflow.model import OUTPUT_KEY, select_output, sequence_first
 from ortflow.model.contract import check_builder_result, check_model
 from ortflow.rundir import RunDir
 from ortflow.seeding import seed_everything
@@ -53,7 +53,11 @@ def build_model(cfg: DictConfig, data: Data) -> nn.Module:
     """The model the config names, checked against the model contract on one batch (the same check for every
     engine), adapted to batch-first batches when the data says the model is sequence-first."""
     target = cfg.model.get("_target_", "?")
-    model = check_builder_result(_build("model", cfg.model), target)
+    output = cfg.model.get(OUTPUT_KEY)  # ortflow's key, not the builder's: taken out before instantiating
+    node = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != OUTPUT_KEY])
+    model = check_builder_result(_build("model", node), target)
+    if output is not None:
+        model = select_output(model, str(output))
     if not data.batch_first:
         model = sequence_first(model)
     check_model(model, *example_batch(data.train), target)

@@ -49,7 +49,24 @@ def test_the_seeds_sequence_first_transformer_trains_in_every_mode_by_config(mon
     assert rows["artifacts"]["max_rel_loss_diff"] < RTOL["artifacts"]
 
 
-@pytest.mark.parametrize(("family", "says"), [("two_inputs", "forward failed"), ("returns_dict", "returned dict")])
+@pytest.mark.parametrize(
+    ("family", "key"), [("returns_dict", "logits"), ("returns_tuple", "0"), ("returns_object", "logits")]
+)
+def test_a_forward_returning_a_tuple_dict_or_object_trains_through_its_output_key(family, key, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    overrides = ["model=custom", f"model._target_=tests.zoo.{family}", *TEXT]
+    with pytest.raises(OrtflowError, match=r"model\._output_="):  # without the key: refused, naming the fix
+        check(overrides, 3, ["none"])
+    rows = {
+        r["mode"]: r
+        for r in check([*overrides, f"+model._output_={key}"], 3, ["none", "ortmodule", "artifacts"])["rows"]
+    }
+    assert all(r["trains"] for r in rows.values()), rows
+    assert rows["ortmodule"]["max_rel_loss_diff"] < RTOL["ortmodule"]
+    assert rows["artifacts"]["max_rel_loss_diff"] < RTOL["artifacts"]
+
+
+@pytest.mark.parametrize(("family", "says"), [("two_inputs", "forward failed")])
 def test_what_the_contract_does_not_cover_yet_is_refused_before_any_mode(family, says, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     with pytest.raises(OrtflowError, match=says):

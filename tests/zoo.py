@@ -159,3 +159,44 @@ class ReturnsDict(nn.Module):
 
 def returns_dict() -> nn.Module:
     return ReturnsDict()
+
+
+class ReturnsTuple(nn.Module):
+    """(logits, hidden state), as nn.GRU-based models often return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.rnn, self.head = (
+            nn.Embedding(256, 16),
+            nn.GRU(16, 16, batch_first=True),
+            nn.Linear(16, 256),
+        )
+
+    def forward(self, tokens):
+        out, hidden = self.rnn(self.embedding(tokens))
+        return self.head(out), hidden
+
+
+def returns_tuple() -> nn.Module:
+    return ReturnsTuple()
+
+
+class Output:
+    """A library-style output object (like a Hugging Face ModelOutput) with the logits as an attribute."""
+
+    def __init__(self, logits, features) -> None:
+        self.logits, self.features = logits, features
+
+
+class ReturnsObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(256, 16), nn.Linear(16, 256)
+
+    def forward(self, tokens):
+        features = self.embedding(tokens)
+        return Output(self.head(features), features)
+
+
+def returns_object() -> nn.Module:
+    return ReturnsObject()

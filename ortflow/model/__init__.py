@@ -1,5 +1,9 @@
 """Model builders (conf/model): plain typed functions returning an nn.Module, referenced by `_target_`; the
-contract every model meets is checked in contract.py, and `sequence_first` adapts a sequence-first model."""
+contract every model meets is checked in contract.py. Two adapters let models that do not meet it as written train
+unchanged: `sequence_first` (data.batch_first=false) and `select_output` (model._output_=KEY, for a forward that
+returns a tuple, a dict or an object with the logits as one of its fields)."""
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,4 +23,25 @@ def sequence_first(model: nn.Module) -> nn.Module:
     model, and its state_dict keeps its own names."""
     model.register_forward_pre_hook(_to_sequence_first)
     model.register_forward_hook(_to_batch_first)
+    return model
+
+
+# `model._output_=KEY`: which element of a forward's tuple/dict/object output holds the logits (ortflow's key: it
+# is not passed to the builder).
+OUTPUT_KEY = "_output_"
+
+
+def pick(output: Any, key: str) -> Any:
+    """`output[int(key)]` for a tuple or list, `output[key]` for a mapping, `getattr(output, key)` otherwise."""
+    if isinstance(output, tuple | list):
+        return output[int(key)]
+    if isinstance(output, dict):
+        return output[key]
+    return getattr(output, key)
+
+
+def select_output(model: nn.Module, key: str) -> nn.Module:
+    """Let a model whose forward returns a tuple, a dict or an object (a Hugging Face ModelOutput, say) train: a
+    forward hook keeps only the logits at `key`. The engines and ONNX exports then see a tensor-returning model."""
+    model.register_forward_hook(lambda _module, _args, output: pick(output, key))
     return model

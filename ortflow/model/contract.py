@@ -60,8 +60,15 @@ def check_model(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, t
 def _check_logits(out: Any, targets: torch.Tensor, target: str) -> None:
     expected = f"float logits of shape {(*targets.shape, 'C')} (the targets' shape plus the classes)"
     if not isinstance(out, torch.Tensor):
+        hint = ""
+        if isinstance(out, tuple | list):
+            hint = f" It returns {len(out)} items: choose the logits with model._output_=INDEX (e.g. 0)."
+        elif isinstance(out, dict) or hasattr(out, "__dict__"):
+            keys = list(out) if isinstance(out, dict) else [k for k in vars(out) if not k.startswith("_")]
+            hint = f" Choose the logits among {keys[:8]} with model._output_=KEY (e.g. +model._output_=logits)."
         raise OrtflowError(
             f"model._target_={target}: forward returned {type(out).__name__} ({_short(out)}); expected {expected}."
+            + hint
         )
     if not out.is_floating_point():
         raise OrtflowError(f"model._target_={target}: forward returned a {out.dtype} tensor; expected {expected}.")
