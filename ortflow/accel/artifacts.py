@@ -107,7 +107,7 @@ def refuse_unsupported(forward: onnx.ModelProto) -> None:
         if nodes:
             raise OrtflowError(
                 f"accel=artifacts cannot train this model: it has {len(nodes)} {op} node(s) ({', '.join(nodes[:3])}). "
-                f"{reason}. Use accel=ortmodule or accel=none for it."
+                f"{reason}. `ortflow-check` with the same overrides shows which accel mode can train it."
             )
 
 
