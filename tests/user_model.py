@@ -144,17 +144,5 @@ def build_too_few_classes(vocab_size: int, width: int) -> nn.Module:
     return nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, 10))
 
 
-def build_digits_cnn(num_classes: int = 10, channels: int = 8) -> nn.Module:
-    """A small CNN with BatchNorm on the 8x8 digits (64 features, reshaped to one 8x8 channel)."""
-    return nn.Sequential(
-        nn.Unflatten(1, (1, 8, 8)),
-        nn.Conv2d(1, channels, 3, padding=1),
-        nn.BatchNorm2d(channels),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(channels * 64, num_classes),
-    )
-
-
 def build_batchnorm_mlp(num_classes: int = 10, width: int = 32) -> nn.Module:
     return nn.Sequential(nn.Linear(64, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, num_classes))
