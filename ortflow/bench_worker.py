@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from ortflow.accel.engine import Engine, EvalResult, flat_cross_entropy
@@ -23,7 +22,7 @@ from ortflow.config import register_configs
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.logger import RunLogger
-from ortflow.paths import config_dir
+from ortflow.paths import compose_config
 from ortflow.runner import _build, build_engine
 from ortflow.seeding import seed_everything
 from ortflow.trainer import train_loop
@@ -70,8 +69,7 @@ def measure(spec: str, steps: int, warmup: int, overrides: list[str]) -> dict[st
     """Measure mode `spec`: a mode name, optionally with its own overrides, `ortmodule:k=v;k2=v2`."""
     mode, _, own = spec.partition(":")
     accel = "none" if mode == "compile" else mode
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose("config", [*overrides, f"accel={accel}", *filter(None, own.split(";")), "logger.progress=false"])
+    cfg = compose_config([*overrides, f"accel={accel}", *filter(None, own.split(";")), "logger.progress=false"])
     validate(cfg)
     seed_everything(cfg.seed)
     data: Data = _build("data", cfg.data)

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra import compose, initialize_config_dir
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -27,7 +26,7 @@ from ortflow import accel
 from ortflow.config import register_configs
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError, root_reason
-from ortflow.paths import config_dir
+from ortflow.paths import compose_config, config_dir
 from ortflow.runner import _build, build_model, engine_context
 from ortflow.seeding import seed_everything, seed_step
 from ortflow.validate import problems
@@ -37,8 +36,7 @@ MODES = tuple(sorted((p.stem for p in (config_dir() / "accel").glob("*.yaml")), 
 
 
 def _compose(overrides: list[str], mode: str):
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose("config", [*overrides, f"accel={mode}", "logger.progress=false"])
+    return compose_config([*overrides, f"accel={mode}", "logger.progress=false"])
 
 
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)

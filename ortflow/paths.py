@@ -5,6 +5,14 @@ from pathlib import Path
 _PACKAGE = Path(__file__).resolve().parent
 
 
+def compose_config(overrides: list[str]):
+    """The config the command line `ortflow OVERRIDES` would compose, without running (benchmarks, ortflow-check)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose("config", overrides)
+
+
 def config_dir() -> Path:
     """The directory holding config.yaml (and recipe/, the recipes)."""
     for candidate in (_PACKAGE / "conf", _PACKAGE.parent / "conf"):

@@ -160,10 +160,6 @@ class RunDir:
             self.record.pop("attempts", None)  # moved along with the earlier run.json
         self._write_record()
 
-    @property
-    def stage(self) -> str:
-        return self.record["stage"]
-
     def start(
         self,
         model: nn.Module,

@@ -150,7 +150,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
                 raise OrtflowError(_out_of_memory(cfg, err)) from err
     except BaseException as err:
         status = {Preempted: "preempted", Interrupted: "interrupted", KeyboardInterrupt: "interrupted"}
-        run.finish(status.get(type(err), "failed"), error=f"{type(err).__name__}: {err}", stage=run.stage)
+        run.finish(status.get(type(err), "failed"), error=f"{type(err).__name__}: {err}")
         raise
     finally:
         distributed.stop()
@@ -175,9 +175,13 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> 
     if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
         data.train = distributed.shard(data.train, world, cfg.seed)
     results: dict[str, Any] = {"data": data.info}
-    context = engine_context(cfg, model, data, run.path, world)
     batches = ResumableBatches(data.train)
-    engine, state = run.start(model, lambda m: accel.build(cfg.accel, context), batches, cfg.trainer.max_steps)
+    engine, state = run.start(
+        model,
+        lambda m: build_engine(cfg, m, data, run.path, world),
+        batches,
+        cfg.trainer.max_steps,
+    )
     start = state.step if state else 0
     logger = RunLogger(run.path, cfg.logger, cfg.trainer.max_steps, start_step=start, writes=world.is_main)
     logger.text("config", OmegaConf.to_yaml(cfg, resolve=True))

@@ -50,11 +50,6 @@ def engine_module(accel: DictConfig) -> ModuleType:
     return module
 
 
-def mode_name(accel: DictConfig) -> str:
-    """The accel mode's name, as its engine module declares it."""
-    return engine_module(accel).NAME
-
-
 def problems(cfg: DictConfig) -> list[str]:
     """Everything that keeps `cfg` from running on the engine it names (the engine's own checks)."""
     try:
