@@ -17,13 +17,16 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from ortflow.accel.engine import Engine, EvalResult, flat_cross_entropy
+from ortflow import loss
+from ortflow.accel.engine import Engine
+from ortflow.batch import layout_of
 from ortflow.config import register_configs
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.logger import RunLogger
+from ortflow.loss import EvalResult, Loss
 from ortflow.paths import compose_config
-from ortflow.runner import _build, build_engine
+from ortflow.runner import _build, build_data, build_engine, example_batch
 from ortflow.seeding import seed_everything
 from ortflow.trainer import train_loop
 from ortflow.validate import validate
@@ -54,14 +57,14 @@ class Timed:
         return result
 
 
-def model_flops(model: torch.nn.Module, data: Data) -> int:
+def model_flops(model: torch.nn.Module, data: Data, objective: Loss) -> int:
     """FLOPs of one training step (forward + backward), counted by torch on a copy of the model."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    inputs, targets = next(iter(data.train))
+    inputs, targets = example_batch(data.train)
     clone = copy.deepcopy(model).train()
     with FlopCounterMode(display=False) as counter:
-        flat_cross_entropy(clone(inputs), targets).backward()
+        objective(layout_of(inputs).call(clone, layout_of(inputs).flatten(inputs)), targets).backward()
     return counter.get_total_flops()
 
 
@@ -72,9 +75,9 @@ def measure(spec: str, steps: int, warmup: int, overrides: list[str]) -> dict[st
     cfg = compose_config([*overrides, f"accel={accel}", *filter(None, own.split(";")), "logger.progress=false"])
     validate(cfg)
     seed_everything(cfg.seed)
-    data: Data = _build("data", cfg.data)
+    data: Data = build_data(cfg)
     model: torch.nn.Module = _build("model", cfg.model)
-    flops = model_flops(model, data)
+    flops = model_flops(model, data, loss.build(cfg.loss))
     if mode == "compile":
         model = torch.compile(model)
     batches = list(itertools.islice(ResumableBatches(data.train), 1 + warmup + steps))

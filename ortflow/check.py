@@ -23,11 +23,12 @@ from rich.table import Table
 from torch import nn
 
 from ortflow import accel
+from ortflow.batch import split_batch
 from ortflow.config import register_configs
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.paths import compose_config, config_dir
-from ortflow.runner import _build, build_model, engine_context
+from ortflow.runner import build_data, build_model, engine_context
 from ortflow.seeding import seed_everything, seed_step
 from ortflow.validate import problems
 
@@ -67,15 +68,15 @@ def try_mode(mode: str, overrides: list[str], steps: int, model: nn.Module, refe
         if found := problems(cfg):
             raise OrtflowError("; ".join(found))
         seed_everything(cfg.seed)
-        data = _build("data", cfg.data)
+        data = build_data(cfg)
         batches = list(itertools.islice(ResumableBatches(data.train), steps))
         with tempfile.TemporaryDirectory(prefix="ortflow-check-") as tmp:
             engine = accel.build(cfg.accel, engine_context(cfg, copy.deepcopy(model), data, Path(tmp)))
             losses, times = [], []
-            for step, (x, y) in enumerate(batches, start=1):
+            for step, batch in enumerate(batches, start=1):
                 seed_step(cfg.seed, step)
                 start = time.perf_counter()
-                losses.append(engine.train_step(x, y))
+                losses.append(engine.train_step(*split_batch(batch)))
                 times.append(time.perf_counter() - start)
             info = engine.describe()
     except Exception as err:  # every failure is a result here, reported in the table
@@ -98,7 +99,7 @@ def check(overrides: list[str], steps: int, modes: list[str]) -> dict[str, Any]:
     register_configs()
     cfg = _compose(overrides, "none")
     seed_everything(cfg.seed)
-    data = _build("data", cfg.data)
+    data = build_data(cfg)
     model = without_dropout(build_model(cfg, data))
     rows, reference = [], None
     for mode in ["none", *[m for m in modes if m != "none"]]:

@@ -12,7 +12,7 @@ from rich.table import Table
 from ortflow.metadata import flatten
 from ortflow.trainer import FINAL_METRICS
 
-METRICS = ("status", "executed_by", "steps", *FINAL_METRICS)
+HEAD = ("status", "executed_by", "steps")
 _ABSENT = "<absent>"
 
 
@@ -32,13 +32,18 @@ def differences(configs: list[dict[str, Any]]) -> dict[str, list[Any]]:
     return {k: values for k, values in rows.items() if len({json.dumps(v, default=str) for v in values}) > 1}
 
 
-def metric_values(record: dict[str, Any]) -> list[Any]:
+def metric_names(records: list[dict[str, Any]]) -> list[str]:
+    """The rows of the metrics table: status, engine, steps, the final metrics every run reports, then the eval
+    metrics any of the runs reports (eval/accuracy, eval/mae: they follow each run's loss)."""
+    reported = set().union(*(r.get("metrics", {}) for r in records))
+    extra = sorted(k for k in reported if k.startswith("eval/") and k not in FINAL_METRICS)
+    return [*HEAD, *FINAL_METRICS, *extra]
+
+
+def metric_values(record: dict[str, Any], names: list[str]) -> list[Any]:
     metrics = record.get("metrics", {})
-    return [
-        record.get("status"),
-        record.get("engine", {}).get("executed_by"),
-        *(metrics.get(k) for k in METRICS[2:]),
-    ]
+    head = [record.get("status"), record.get("engine", {}).get("executed_by"), metrics.get("steps")]
+    return head + [metrics.get(k) for k in names[len(HEAD) :]]
 
 
 def _fmt(value: Any) -> str:
@@ -68,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     table.add_column("metric")
     for name in names:
         table.add_column(name, justify="right")
-    for metric, *values in zip(METRICS, *(metric_values(r) for r in records), strict=True):
+    rows = metric_names(records)
+    for metric, *values in zip(rows, *(metric_values(r, rows) for r in records), strict=True):
         table.add_row(metric, *(_fmt(v) for v in values))
     console.print(table)
 

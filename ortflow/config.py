@@ -37,7 +37,7 @@ class TransformerModelConfig:
 class MLPModelConfig:
     _target_: str = "ortflow.model.mlp.build_mlp"
     in_features: int = ranged(64, Ge(1))  # 8x8 digits
-    num_classes: int = ranged(10, Ge(2))
+    num_classes: int = ranged(10, Ge(1))  # outputs per sample (1 for one regression target)
     hidden: list[int] = ranged([128, 64], each=Ge(1))
     dropout: float = ranged(0.0, PROBABILITY)
 
@@ -66,6 +66,34 @@ class DigitsDataConfig:
     val_fraction: float = ranged(0.25, FRACTION)  # stratified held-out share of the 1,797 images
     seed: int = ranged(SI("${seed}"), SEED)
     num_workers: int = ranged(0, Ge(0))
+
+
+@dataclass
+class DiabetesDataConfig:
+    _target_: str = "ortflow.data.diabetes.build_diabetes_data"
+    batch_size: int = ranged(32, Interval(ge=1, le=65536))
+    val_fraction: float = ranged(0.2, FRACTION)  # held-out share of the 442 patients
+    seed: int = ranged(SI("${seed}"), SEED)
+    num_workers: int = ranged(0, Ge(0))
+
+
+# ------------------------------------------------------------------------------------------------------ loss
+@dataclass
+class CrossEntropyLossConfig:
+    _target_: str = "ortflow.loss.CrossEntropy"
+    ignore_index: int = -100  # targets equal to it carry no loss and no accuracy (padding)
+    label_smoothing: float = ranged(0.0, Interval(ge=0, le=1))
+
+
+@dataclass
+class MSELossConfig:
+    _target_: str = "ortflow.loss.MSE"
+
+
+@dataclass
+class BCEWithLogitsLossConfig:
+    _target_: str = "ortflow.loss.BCEWithLogits"
+    pos_weight: float | None = ranged(None, Gt(0))  # weight of positive targets; null = 1
 
 
 # ----------------------------------------------------------------------------------------- single-shape groups
@@ -175,6 +203,7 @@ class Config:
     model: Any = MISSING
     data: Any = MISSING
     accel: Any = MISSING
+    loss: Any = MISSING
     distributed: DistributedConfig = MISSING
     debug: DebugConfig = MISSING
     optim: OptimConfig = MISSING
@@ -182,7 +211,7 @@ class Config:
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
     seed: int = ranged(0, SEED)  # seeds python, numpy, torch, ORT and the data order
-    objective: str = "eval/loss"  # the metric a sweep job returns (Optuna optimises it)
+    objective: str = "eval/loss"  # the metric a sweep job returns (Optuna optimises it): see validate.objectives
 
 
 # Per-option schemas live in the `schema/<group>` groups; an option's YAML pulls its schema in with
@@ -190,7 +219,8 @@ class Config:
 # engine module declares its own (ortflow/accel/<mode>.py: Settings).
 _SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"transformer": TransformerModelConfig, "mlp": MLPModelConfig},
-    "data": {"text": TextDataConfig, "digits": DigitsDataConfig},
+    "data": {"text": TextDataConfig, "digits": DigitsDataConfig, "diabetes": DiabetesDataConfig},
+    "loss": {"cross_entropy": CrossEntropyLossConfig, "mse": MSELossConfig, "bce_with_logits": BCEWithLogitsLossConfig},
 }
 
 

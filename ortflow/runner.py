@@ -14,8 +14,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ortflow import accel, checkpoint, distributed
+from ortflow import accel, checkpoint, distributed, loss
 from ortflow.accel.engine import Engine, EngineContext
+from ortflow.batch import Inputs, split_batch
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
@@ -42,11 +43,22 @@ def _build(group: str, node: DictConfig) -> Any:
         raise OrtflowError(f"{group}._target_={node._target_}: {err}") from err
 
 
-def example_batch(loader: torch.utils.data.DataLoader) -> tuple[torch.Tensor, torch.Tensor]:
+def example_batch(loader: torch.utils.data.DataLoader) -> tuple[Inputs, torch.Tensor]:
     """The first `batch_size` samples of the loader's dataset, collated as the loader would: a batch of the
     training shape that leaves the loader's shuffle generator untouched (same data order in every accel mode)."""
     dataset, size = loader.dataset, loader.batch_size
-    return loader.collate_fn([dataset[i] for i in range(min(size, len(dataset)))])
+    return split_batch(loader.collate_fn([dataset[i] for i in range(min(size, len(dataset)))]))
+
+
+def build_data(cfg: DictConfig) -> Data:
+    """The data the config names; a builder returning something else than a Data is refused by name."""
+    data = _build("data", cfg.data)
+    if not isinstance(data, Data):
+        raise OrtflowError(
+            f"data._target_={cfg.data.get('_target_')} returned {type(data).__name__}, not an ortflow.data.Data "
+            "(train and val DataLoaders yielding (inputs, targets) batches; see the README's data section)."
+        )
+    return data
 
 
 def build_model(cfg: DictConfig, data: Data) -> nn.Module:
@@ -60,17 +72,20 @@ def build_model(cfg: DictConfig, data: Data) -> nn.Module:
         model = select_output(model, str(output))
     if not data.batch_first:
         model = sequence_first(model)
-    check_model(model, *example_batch(data.train), target)
+    check_model(model, *example_batch(data.train), loss.build(cfg.loss), target)
     return model
 
 
-def engine_context(cfg: DictConfig, model: nn.Module, data: Data, run_dir: Path, world: World | None = None):
+def engine_context(
+    cfg: DictConfig, model: nn.Module, data: Data, run_dir: Path, world: World | None = None
+) -> EngineContext:
     """What every engine is built from: the model, an example batch, the optim/clip/debug settings, where to write
     ONNX files, and the distributed wrappers (DDP) to put outside the engine's own."""
     world = world or World()
     return EngineContext(
         model=model,
         example=example_batch(data.train),
+        loss=loss.build(cfg.loss),
         optim=cfg.optim,
         grad_clip=cfg.trainer.grad_clip,
         debug=cfg.debug,
@@ -156,11 +171,11 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
         distributed.stop()
     run.finish("completed", metrics=metrics, **results)
     execution = results["engine"]
+    evals = ", ".join(f"{k.replace('/', ' ')} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))
     log.info(
-        "done: train loss %.4f, eval loss %.4f, eval accuracy %.4f, %.1f samples/s, executed by %s. Run dir: %s",
+        "done: train loss %.4f, %s, %.1f samples/s, executed by %s. Run dir: %s",
         metrics["train/loss"],
-        metrics["eval/loss"],
-        metrics["eval/accuracy"],
+        evals,
         metrics["perf/samples_per_sec"],
         execution["executed_by"],
         run_dir,
@@ -170,7 +185,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
 
 def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> tuple[dict[str, Any], dict[str, Any]]:
     seed_everything(cfg.seed)
-    data: Data = _build("data", cfg.data)
+    data = build_data(cfg)
     model = build_model(cfg, data)  # the same initial weights on every rank
     if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
         data.train = distributed.shard(data.train, world, cfg.seed)

@@ -15,17 +15,14 @@ from ortflow.metadata import read_record
 
 log = logging.getLogger(__name__)
 
-COLUMNS = (
-    "job",
-    "overrides",
-    "status",
-    "train/loss",
-    "eval/loss",
-    "eval/accuracy",
-    "samples/s",
-    "executed_by",
-    "error",
-)
+COLUMNS = ("job", "overrides", "status", "train/loss", "eval/loss", "samples/s", "executed_by", "error")
+# The loss's own eval metrics (ortflow/loss.py) get a column when any job reports them.
+EVAL_METRICS = ("eval/accuracy", "eval/mae")
+
+
+def columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    extra = tuple(m for m in EVAL_METRICS if any(r.get(m) is not None for r in rows))
+    return (*COLUMNS[:5], *extra, *COLUMNS[5:])
 
 
 def job_rows(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -42,7 +39,7 @@ def job_rows(sweep_dir: Path) -> list[dict[str, Any]]:
                 "status": record.get("status", "?"),
                 "train/loss": metrics.get("train/loss"),
                 "eval/loss": metrics.get("eval/loss"),
-                "eval/accuracy": metrics.get("eval/accuracy"),
+                **{m: metrics.get(m) for m in EVAL_METRICS},
                 "samples/s": metrics.get("perf/samples_per_sec"),
                 "executed_by": record.get("engine", {}).get("executed_by"),
                 "error": record.get("error", ""),
@@ -61,12 +58,13 @@ def _fmt(value: Any) -> str:
 
 def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = job_rows(sweep_dir)
+    shown = columns(rows)
     with (sweep_dir / "summary.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=shown, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    lines += ["| " + " | ".join(_fmt(r[c]) for c in shown) + " |" for r in rows]
     (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
     return rows
 
@@ -80,10 +78,11 @@ class SweepSummary(Callback):
             return
         rows = write_summary(sweep_dir)
         table = Table(title=f"sweep summary: {sweep_dir}")
-        for column in COLUMNS[:-1]:
+        shown = columns(rows)[:-1]
+        for column in shown:
             table.add_column(column)
         for r in rows:
-            table.add_row(*(_fmt(r[c]) for c in COLUMNS[:-1]))
+            table.add_row(*(_fmt(r[c]) for c in shown))
         Console(width=None if sys.stdout.isatty() else 160).print(table)
         failed = [r for r in rows if r["status"] != "completed"]
         for r in failed:

@@ -11,18 +11,21 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ortflow.accel.engine import Engine, EvalResult
+from ortflow.accel.engine import Engine
+from ortflow.batch import batch_size, split_batch
 from ortflow.config import OnNonFinite, OptimConfig, SchedulerConfig, TrainerConfig
 from ortflow.errors import OrtflowError
 from ortflow.logger import RunLogger
+from ortflow.loss import EvalResult
 from ortflow.scheduler import lr_at
 from ortflow.seeding import seed_step
 from ortflow.signals import Preempted, stop_on_sigterm
 
 log = logging.getLogger(__name__)
 
-# The final metrics train_loop returns (run.json "metrics"); a sweep job can return any of them as its objective.
-FINAL_METRICS = ("train/loss", "eval/loss", "eval/accuracy", "perf/samples_per_sec")
+# The final metrics every run reports (run.json "metrics"), besides its loss's eval metrics (eval/accuracy for
+# classification, eval/mae for regression: ortflow/loss.py); a sweep job can return any of them as its objective.
+FINAL_METRICS = ("train/loss", "eval/loss", "perf/samples_per_sec")
 
 
 @dataclass
@@ -56,11 +59,11 @@ def fast_dev_run(cfg: DictConfig) -> DictConfig:
 
 
 def evaluate(engine: Engine, loader: Iterable, max_batches: int | None) -> dict[str, float]:
-    """Mean loss and accuracy over (up to max_batches of) the validation split."""
-    total = EvalResult(0.0, 0, 0)
-    for inputs, targets in itertools.islice(loader, max_batches):
-        total = total + engine.eval_step(inputs, targets)
-    return {"eval/loss": total.loss_sum / total.count, "eval/accuracy": total.correct / total.count}
+    """Mean loss and the loss's metrics over (up to max_batches of) the validation split."""
+    total = EvalResult(0.0, 0)
+    for batch in itertools.islice(loader, max_batches):
+        total = total + engine.eval_step(*split_batch(batch))
+    return total.metrics()
 
 
 def _likely_causes(optim: OptimConfig, lr: float, trainer: TrainerConfig) -> str:
@@ -131,7 +134,7 @@ def train_loop(
             lr = lr_at(step - 1, optim.lr, scheduler, trainer.max_steps)
             engine.set_lr(lr)
             seed_step(seed, step, rank)
-            inputs, targets = next(batches)
+            inputs, targets = split_batch(next(batches))
             start = time.perf_counter()
             loss = engine.train_step(inputs, targets)
             elapsed = time.perf_counter() - start
@@ -145,7 +148,7 @@ def train_loop(
                 state.first_step_s = elapsed
             else:
                 state.train_time += elapsed
-                state.samples += inputs.size(0) * world_size
+                state.samples += batch_size(inputs) * world_size
 
             if step % trainer.log_every == 0 or step == trainer.max_steps:
                 point = {"train/lr": lr}
@@ -159,8 +162,9 @@ def train_loop(
                 logger.scalars(step, point)
                 state.window_loss, state.window_n = 0.0, 0
             if (trainer.eval_every and step % trainer.eval_every == 0) or step == trainer.max_steps:
-                state.metrics.update(evaluate(engine, val, trainer.eval_batches))
-                logger.scalars(step, {k: state.metrics[k] for k in ("eval/loss", "eval/accuracy")})
+                evaluated = evaluate(engine, val, trainer.eval_batches)
+                state.metrics.update(evaluated)
+                logger.scalars(step, evaluated)
             logger.advance(f"loss {loss:.3f}")
             stopping = any_rank(stop.requested) if save is not None else False
             if save is not None and ((every and step % every == 0) or step == trainer.max_steps or stopping):

@@ -8,6 +8,7 @@ distributed settings (ortflow/distributed.py) for their own rules.
 import dataclasses
 import logging
 
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -17,7 +18,14 @@ from ortflow.trainer import FINAL_METRICS
 
 log = logging.getLogger(__name__)
 
-OBJECTIVES = FINAL_METRICS
+
+def objectives(cfg: DictConfig) -> tuple[str, ...]:
+    """The metrics a run with this config reports: FINAL_METRICS and its loss's eval metrics."""
+    try:
+        metrics = getattr(get_object(cfg.loss._target_), "metrics", ())
+    except Exception:  # a user's loss (or one that does not import: loss.build reports it)
+        metrics = ()
+    return (*FINAL_METRICS, *(f"eval/{m}" for m in metrics))
 
 
 def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
@@ -55,8 +63,11 @@ def problems(cfg: DictConfig) -> list[str]:
     found = ranges.problems(cfg)  # every single-key range the schema declares, all at once
     trainer, data = cfg.trainer, cfg.data
     found += accel.problems(cfg)
-    if cfg.objective not in OBJECTIVES:
-        found.append(f"objective={cfg.objective!r} is not a metric ortflow reports; choose one of {OBJECTIVES}.")
+    if cfg.objective not in (reported := objectives(cfg)):
+        found.append(
+            f"objective={cfg.objective!r} is not a metric this run reports (with loss {cfg.loss._target_}); choose "
+            f"one of {reported}."
+        )
     found += distributed.problems(cfg.distributed)
     if trainer.resume is not None and not trainer.resume.strip():
         found.append("trainer.resume is empty; use trainer.resume=auto, a checkpoint path, or leave it out.")
@@ -64,8 +75,8 @@ def problems(cfg: DictConfig) -> list[str]:
     model_target = cfg.model.get("_target_", "")
     if is_text and model_target == "ortflow.model.mlp.build_mlp":
         found.append(
-            "model=mlp takes 64 float features per sample (data=digits), but data=text gives token ids; use "
-            "model=transformer with data=text, or data=digits with model=mlp."
+            "model=mlp takes float features per sample (data=digits or data=diabetes), but data=text gives token "
+            "ids; use model=transformer with data=text, or data=digits with model=mlp."
         )
     if model_target.endswith("build_transformer") and cfg.model.nhead > 0 and cfg.model.d_model % cfg.model.nhead:
         found.append(f"model.nhead={cfg.model.nhead} must divide model.d_model={cfg.model.d_model}.")

@@ -34,6 +34,10 @@ def test_every_group_option_composes(override):
         "debug": ["accel=ortmodule"],  # debug options apply to ortmodule only
         "model=custom": ["model._target_=tests.user_model.build_bigram"],  # custom has no builder of its own
         "model=mlp": ["data=digits"],  # the MLP takes digits' 64 features, not token ids
+        "data=custom": ["data._target_=tests.zoo.masked_text"],
+        "data=diabetes": ["model=mlp", "loss=mse"],
+        "loss=custom": ["loss._target_=tests.zoo.mean_abs_error"],
+        "loss=mse": ["objective=eval/mae"],
     }
     cfg = make_cfg(override, *extra.get(group, []), *extra.get(override, []))
     assert cfg[group] is not None

@@ -9,9 +9,12 @@ import torch
 from omegaconf import OmegaConf
 
 from ortflow import accel
-from ortflow.accel.engine import IGNORE_INDEX, EngineContext, WithLoss, pad_batch
+from ortflow.accel.engine import EngineContext, WithLoss, pad_batch
+from ortflow.batch import Layout
 from ortflow.config import DebugConfig, OptimConfig
 from ortflow.data.text import build_text_data
+from ortflow.errors import OrtflowError
+from ortflow.loss import IGNORE_INDEX, MSE, CrossEntropy
 from ortflow.model.mlp import build_mlp
 from ortflow.model.transformer import build_transformer
 from ortflow.trainer import evaluate
@@ -173,9 +176,16 @@ def test_a_non_finite_loss_leaves_weights_and_optimizer_untouched(kind, tmp_path
 
 def test_padding_a_short_batch_leaves_the_loss_unchanged():
     torch.manual_seed(0)
-    module = WithLoss(tiny_model(0.0)).eval()
+    loss = CrossEntropy()
+    module = WithLoss(tiny_model(0.0), loss, Layout(1, single=True)).eval()
     x, y = torch.randint(0, 256, (5, 16)), torch.randint(0, 256, (5, 16))
-    px, py = pad_batch(x, y, 8)
+    (px,), py = pad_batch((x,), y, 8, loss)
     assert px.shape == (8, 16) and (py[5:] == IGNORE_INDEX).all()
     with torch.no_grad():
         torch.testing.assert_close(module(px, py)[0], module(x, y)[0])
+
+
+def test_a_short_training_batch_is_refused_for_a_loss_without_padding_targets():
+    x, y = torch.zeros(5, 3), torch.zeros(5, 1)
+    with pytest.raises(OrtflowError, match="fewer than the batch size 8"):
+        pad_batch((x,), y, 8, MSE())

@@ -9,6 +9,8 @@ from tests.conftest import REPO
 
 TEXT = ["data.block_size=16", "data.batch_size=8"]
 DIGITS = ["data=digits", "data.batch_size=32"]
+MASKED = ["data=custom", "data._target_=tests.zoo.masked_text"]  # a user's data: (tokens, mask) inputs
+REGRESSION = ["data=diabetes", "data.batch_size=16", "loss=mse"]
 # Measured max relative loss differences are 1e-7..1e-6 (ORTModule) and ~1e-5 (artifacts: ORT's AdamW graph).
 RTOL = {"ortmodule": 1e-5, "artifacts": 1e-4}
 # family -> (data overrides, {mode: text of its refusal} for the modes that refuse it)
@@ -21,6 +23,8 @@ ZOO = {
     "frozen_submodule": (TEXT, {}),
     "custom_function": (TEXT, {"artifacts": "torch.autograd.Function ScaledTanh"}),
     "buffers": (TEXT, {}),
+    "two_inputs": (MASKED, {}),
+    "dict_inputs": ([*MASKED, "+data.as_dict=true"], {}),
 }
 
 
@@ -66,11 +70,55 @@ def test_a_forward_returning_a_tuple_dict_or_object_trains_through_its_output_ke
     assert rows["artifacts"]["max_rel_loss_diff"] < RTOL["artifacts"]
 
 
-@pytest.mark.parametrize(("family", "says"), [("two_inputs", "forward failed")])
-def test_what_the_contract_does_not_cover_yet_is_refused_before_any_mode(family, says, monkeypatch):
+def test_a_two_input_model_on_one_input_data_is_refused_naming_the_inputs(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    with pytest.raises(OrtflowError, match=r"forward failed on a data batch of inputs one tensor \(8, 16\)"):
+        check(["model=custom", "model._target_=tests.zoo.two_inputs", *TEXT], 3, ["none"])
+
+
+MLP_REGRESSION = ["model=mlp", "model.in_features=10", "model.num_classes=1", "model.hidden=[16]"]
+MLP_BINARY = ["model=mlp", "model.num_classes=1", "data=custom", "data._target_=tests.zoo.even_digits"]
+# Each loss in every mode: ORT's own loss block (cross_entropy, mse, bce_with_logits) or the loss exported with the
+# model (label smoothing, pos_weight, a user's function or class).
+LOSSES = {
+    "mse": [*MLP_REGRESSION, *REGRESSION],
+    "custom_function": [*MLP_REGRESSION, *REGRESSION, "loss=custom", "loss._target_=tests.zoo.mean_abs_error"],
+    "custom_class": [
+        *MLP_REGRESSION,
+        *REGRESSION,
+        "loss=custom",
+        "loss._target_=torch.nn.MSELoss",
+        "+loss.reduction=mean",
+    ],
+    "label_smoothing": ["model=mlp", *DIGITS, "loss.label_smoothing=0.1"],
+    "bce_with_logits": [*MLP_BINARY, "loss=bce_with_logits"],
+    "bce_pos_weight": [*MLP_BINARY, "loss=bce_with_logits", "loss.pos_weight=2.0"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOSSES))
+def test_every_loss_trains_with_parity_in_every_mode(case, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    rows = {r["mode"]: r for r in check(LOSSES[case], 3, ["none", "ortmodule", "artifacts"])["rows"]}
+    assert all(r["trains"] for r in rows.values()), rows
+    assert rows["ortmodule"]["max_rel_loss_diff"] < RTOL["ortmodule"], rows
+    assert rows["artifacts"]["max_rel_loss_diff"] < RTOL["artifacts"], rows
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["model=mlp", "model.in_features=10", *REGRESSION], r"loss=mse expects the targets' shape \(16, 1\)"),
+        (["model=mlp", "model.in_features=10", "model.num_classes=1", "data=diabetes"], "int64 class ids"),
+        (["model=mlp", *DIGITS, "loss=mse"], "float targets"),
+        (["model=mlp", *DIGITS, "loss=custom", "loss._target_=tests.zoo.nowhere"], "cannot be imported"),
+        (["model=mlp", *DIGITS, "loss=custom", "loss._target_=tests.zoo.a_number"], "returned int"),
+    ],
+)
+def test_a_loss_that_does_not_fit_the_model_or_data_is_refused_before_training(overrides, says, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     with pytest.raises(OrtflowError, match=says):
-        check(["model=custom", f"model._target_=tests.zoo.{family}", *TEXT], 3, ["none"])
+        check(overrides, 2, ["none"])
 
 
 def test_ortflow_check_prints_one_table_and_writes_json(tmp_path, capfd, monkeypatch):
@@ -90,3 +138,8 @@ def test_ortflow_check_prints_one_table_and_writes_json(tmp_path, capfd, monkeyp
         "artifacts",
     }
     assert all(r["trains"] for r in report["rows"]), report["rows"]
+
+
+def test_a_data_builder_returning_something_else_is_refused_by_name(monkeypatch):
+    with pytest.raises(OrtflowError, match=r"data._target_=builtins.dict returned dict, not an ortflow.data.Data"):
+        check(["data=custom", "data._target_=builtins.dict"], 2, ["none"])

@@ -9,7 +9,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ortflow.accel.engine import EngineContext, EvalResult, WithLoss, eval_sums
+from ortflow.accel.engine import EngineContext, WithLoss
+from ortflow.batch import Layout
+from ortflow.loss import EvalResult, Loss
 
 NAME = "tiny"
 
@@ -22,6 +24,8 @@ def problems(cfg: DictConfig) -> list[str]:
 class TinyEngine:
     module: torch.nn.Module
     model: torch.nn.Module
+    loss: Loss
+    layout: Layout
     lr: float
     scale: float
     steps: int = 0
@@ -29,7 +33,7 @@ class TinyEngine:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         self.module.train()
-        loss = self.module(inputs, targets)
+        loss = self.module(*self.layout.flatten(inputs), targets)
         loss.backward()
         with torch.no_grad():
             for p in self.module.parameters():
@@ -41,7 +45,8 @@ class TinyEngine:
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
         self.module.eval()
-        return eval_sums(*self.module(inputs, targets), targets)
+        _, output = self.module(*self.layout.flatten(inputs), targets)
+        return self.loss.sums(output, targets)
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
@@ -60,4 +65,5 @@ class TinyEngine:
 
 
 def build(ctx: EngineContext, scale: float = 1.0) -> TinyEngine:
-    return TinyEngine(ctx.wrap(WithLoss(ctx.model)), ctx.model, ctx.optim.lr, scale)
+    module = ctx.wrap(WithLoss(ctx.model, ctx.loss, ctx.layout))
+    return TinyEngine(module, ctx.model, ctx.loss, ctx.layout, ctx.optim.lr, scale)

@@ -5,6 +5,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from ortflow.data import Data
+from ortflow.data.digits import build_digits_data
+from ortflow.data.text import build_text_data
 
 
 def mlp(num_classes: int = 10) -> nn.Module:
@@ -200,3 +205,58 @@ class ReturnsObject(nn.Module):
 
 def returns_object() -> nn.Module:
     return ReturnsObject()
+
+
+def dict_inputs() -> nn.Module:
+    """The same two-input model, fed a dict batch: forward(tokens=..., mask=...)."""
+    return TwoInputs()
+
+
+class _WithMask(Dataset):
+    """Text samples plus a float mask input, as a tuple (tokens, mask, targets) or ({"tokens", "mask"}, targets)."""
+
+    def __init__(self, samples: Dataset, as_dict: bool) -> None:
+        self.samples, self.as_dict = samples, as_dict
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        tokens, targets = self.samples[i]
+        mask = (tokens % 3).float() / 2 + 0.5
+        return ({"tokens": tokens, "mask": mask}, targets) if self.as_dict else (tokens, mask, targets)
+
+
+def masked_text(batch_size: int = 8, block_size: int = 16, seed: int = 0, as_dict: bool = False) -> Data:
+    """A user's data builder with two model inputs per batch (data=custom data._target_=tests.zoo.masked_text)."""
+    text = build_text_data("python_docs", block_size, batch_size, 0.1, seed)
+    train = DataLoader(
+        _WithMask(text.train.dataset, as_dict),
+        batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    return Data(train, DataLoader(_WithMask(text.val.dataset, as_dict), batch_size), text.info)
+
+
+def even_digits(batch_size: int = 32, seed: int = 0) -> Data:
+    """Binary labels: is the digit even? float (B, 1) targets, for loss=bce_with_logits."""
+    digits = build_digits_data(batch_size, 0.25, seed)
+
+    def binary(loader: DataLoader, **kwargs) -> DataLoader:
+        x, y = loader.dataset.tensors
+        return DataLoader(TensorDataset(x, (y % 2 == 0).float().unsqueeze(1)), batch_size, **kwargs)
+
+    gen = torch.Generator().manual_seed(seed)
+    return Data(binary(digits.train, shuffle=True, drop_last=True, generator=gen), binary(digits.val), digits.info)
+
+
+def mean_abs_error(output: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """A user's own loss function (loss=custom loss._target_=tests.zoo.mean_abs_error)."""
+    return scale * (output - targets).abs().mean()
+
+
+def a_number(output: torch.Tensor, targets: torch.Tensor) -> int:
+    """Not a loss: returns a Python int."""
+    return 1

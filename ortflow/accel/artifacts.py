@@ -22,11 +22,13 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ortflow.accel import compat
-from ortflow.accel.engine import IGNORE_INDEX, EngineContext, EvalResult, eval_sums, pad_batch
+from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.none import debug_problems
+from ortflow.batch import Inputs, Layout
 from ortflow.config import OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
+from ortflow.loss import EvalResult, Loss
 from ortflow.ranges import ranged
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,7 @@ UNSUPPORTED_OPS = {
 }
 
 
-def custom_functions(model: nn.Module, inputs: torch.Tensor) -> list[str]:
+def custom_functions(model: nn.Module, layout: Layout, inputs: tuple[torch.Tensor, ...]) -> list[str]:
     """The custom torch.autograd.Function classes a forward pass of `model` goes through (found in its autograd
     graph). The ONNX export inlines their forward ops, so ORT would differentiate those ops and silently ignore the
     Function's own backward (a straight-through estimator, say)."""
@@ -84,7 +86,7 @@ def custom_functions(model: nn.Module, inputs: torch.Tensor) -> list[str]:
     model.eval()  # no dropout draws, no BatchNorm statistics updated by this probe
     try:
         with torch.enable_grad():
-            out = model(inputs)
+            out = layout.call(model, inputs)
     finally:
         model.train(training)
     if isinstance(out, torch.Tensor) and out.grad_fn is not None:
@@ -112,13 +114,14 @@ def refuse_unsupported(forward: onnx.ModelProto) -> None:
 
 
 @contextlib.contextmanager
-def _cannot_train(what: str) -> Iterator[None]:
-    """ORT's errors while it builds or loads a model's graphs, as one paragraph naming the op or construct."""
+def _cannot_train(what: str, by: str = "ORT's training API") -> Iterator[None]:
+    """Errors while the model is exported or ORT builds or loads its graphs, as one paragraph naming the op or
+    construct."""
     try:
         yield
     except (RuntimeError, ValueError, AssertionError, onnx.checker.ValidationError) as err:
         raise OrtflowError(
-            f"accel=artifacts cannot train this model: ORT's training API failed to {what} ({root_reason(err)}). "
+            f"accel=artifacts cannot train this model: {by} failed to {what} ({root_reason(err)}). "
             "Use accel=ortmodule or accel=none for it."
         ) from err
 
@@ -127,19 +130,33 @@ def build(ctx: EngineContext, **settings: Any) -> "ArtifactsEngine":
     return ArtifactsEngine(ctx, Settings(**settings))
 
 
-_PREFIX = "model."  # FlatLogits stores the user's model as `.model`, so its initializers carry this prefix
+_PREFIX = "model."  # the exported wrappers store the user's model as `.model`: initializers carry this prefix
 
 
-class FlatLogits(nn.Module):
-    """Exported wrapper: logits flattened to (N, C), the layout ORT's SoftmaxCrossEntropyLoss expects."""
+class OutputForLoss(nn.Module):
+    """Exported when ORT has a loss block for the loss: the model's output in the layout that block takes (for
+    cross-entropy, logits flattened to (N, C), as ORT's SoftmaxCrossEntropyLoss expects)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, loss: Loss, layout: Layout) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.loss, self.layout = model, loss, layout
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs)
-        return logits.reshape(-1, logits.size(-1))
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.loss.flat_output(self.layout.call(self.model, inputs))
+
+
+class OutputAndLoss(nn.Module):
+    """Exported when ORT has no loss block for the loss (label smoothing, a user's loss): the loss is traced into
+    the graph with the model, taking the targets as the graph's last input; outputs (loss, output)."""
+
+    def __init__(self, model: nn.Module, loss: Loss, layout: Layout) -> None:
+        super().__init__()
+        self.model, self.loss, self.layout = model, loss, layout
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        *inputs, targets = tensors
+        output = self.layout.call(self.model, tuple(inputs))
+        return self.loss(output, targets), output
 
 
 def _optimizer_block(optim: OptimConfig, grad_clip: float | None):
@@ -162,26 +179,35 @@ class ArtifactsEngine:
         """ctx.model's current weights become the initial weights; ctx.example's shape is the one ORT trains on."""
         compat.require_supported_versions()
         import onnxruntime
-        from onnxruntime.training import artifacts, onnxblock
+        from onnxruntime.training import artifacts
 
         onnxruntime.set_default_logger_severity(3)  # ORT's graph-transformer chatter is INFO; keep errors only
 
         model, optim, grad_clip, onnx_dir = ctx.model, ctx.optim, ctx.grad_clip, ctx.onnx_dir
-        example_inputs = ctx.example[0]
+        self.loss, self.layout = ctx.loss, ctx.layout
+        example_inputs = self.layout.flatten(ctx.example[0])
+        example_targets = ctx.example[1]
         self.model = model
         self.batch_size = ctx.batch_size
         onnx_dir.mkdir(parents=True, exist_ok=True)
         forward_path = onnx_dir / "forward.onnx"
         model.train()
-        if functions := custom_functions(model, example_inputs):
+        if functions := custom_functions(model, self.layout, example_inputs):
             raise OrtflowError(
                 f"accel=artifacts cannot train this model: it uses the custom torch.autograd.Function "
                 f"{', '.join(functions)}. The ONNX export keeps only its forward ops, so ORT would differentiate "
                 "those and silently ignore the Function's own backward. Use accel=ortmodule (it runs such Functions "
                 "through torch, backward included) or accel=none."
             )
-        with compat.quiet_export():
-            compat.export_training_onnx(FlatLogits(model), example_inputs, forward_path, accel.opset)
+        self.loss_block = self.loss.ort_block()
+        names = [f"input_{i}" for i in range(len(example_inputs))] if len(example_inputs) > 1 else ["input"]
+        if self.loss_block is not None:  # ORT's own loss block on the exported output
+            exported, args, outputs = OutputForLoss(model, self.loss, self.layout), example_inputs, ["output"]
+        else:  # the loss is exported with the model
+            exported, args = OutputAndLoss(model, self.loss, self.layout), (*example_inputs, example_targets)
+            names, outputs = [*names, "targets"], ["loss", "output"]
+        with compat.quiet_export(), _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export"):
+            compat.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
         forward = onnx.load(str(forward_path))
         refuse_unsupported(forward)
         self.graph_fixes = compat.prepare_training_graph(forward, accel.rewrite_gathers)
@@ -191,10 +217,10 @@ class ArtifactsEngine:
                 forward,
                 requires_grad=[_PREFIX + n for n, p in params.items() if p.requires_grad],
                 frozen_params=[_PREFIX + n for n, p in params.items() if not p.requires_grad],
-                loss=onnxblock.loss.CrossEntropyLoss(ignore_index=IGNORE_INDEX),
+                loss=self.loss_block,  # None: the graph's first output ("loss") is the loss
                 optimizer=_optimizer_block(optim, grad_clip),
                 artifact_directory=onnx_dir,
-                additional_output_names=["logits"],
+                additional_output_names=["output"] if self.loss_block is not None else None,
             )
         self.onnx_dir = onnx_dir
         self.options = onnxruntime.SessionOptions()
@@ -220,26 +246,30 @@ class ArtifactsEngine:
         self.optimizer = api.Optimizer(str(self.onnx_dir / "optimizer_model.onnx"), self.module)
         self.optimizer.set_learning_rate(lr)
 
-    @staticmethod
-    def _feeds(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        return inputs.numpy(), targets.reshape(-1).numpy()
+    def _feeds(self, tensors: tuple[torch.Tensor, ...], targets: torch.Tensor) -> list[np.ndarray]:
+        flat_targets = self.loss.flat_targets(targets) if self.loss_block is not None else targets
+        return [t.numpy() for t in (*tensors, flat_targets)]
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        inputs, targets = pad_batch(inputs, targets, self.batch_size)
+    def train_step(self, inputs: Inputs, targets: torch.Tensor) -> float:
+        tensors, targets = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
         self.module.train()
-        loss, _ = self.module(*self._feeds(inputs, targets))
+        loss, _ = self.module(*self._feeds(tensors, targets))
         if math.isfinite(float(loss)):
             self.optimizer.step()
             self.steps += 1
         self.module.lazy_reset_grad()  # a non-finite loss: its gradients are dropped, the weights stay
         return float(loss)
 
-    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
-        inputs, targets = pad_batch(inputs, targets, self.batch_size)
+    def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
+        real = targets.size(0)
+        tensors, padded = pad_eval_batch(self.layout.flatten(inputs), targets, self.batch_size)
         self.module.eval()
-        loss, logits = self.module(*self._feeds(inputs, targets))
+        _, output = self.module(*self._feeds(tensors, padded))
         self.evals += 1
-        return eval_sums(torch.from_numpy(np.asarray(loss)), torch.from_numpy(logits), targets.reshape(-1))
+        output = torch.from_numpy(np.asarray(output))
+        if self.loss_block is not None:  # back from the loss block's layout to the model's own
+            output = self.loss.unflat_output(output, padded)
+        return self.loss.sums(output[:real], targets)
 
     def set_lr(self, lr: float) -> None:
         self.optimizer.set_learning_rate(lr)

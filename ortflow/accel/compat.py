@@ -82,21 +82,28 @@ def require_supported_versions() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- torch side
-def export_training_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
+def export_training_onnx(
+    model: torch.nn.Module,
+    args: tuple[torch.Tensor, ...],
+    path: Path,
+    opset: int,
+    input_names: list[str],
+    output_names: list[str],
+) -> None:
     """torch.onnx.export in training mode as ORT's training-artifacts flow expects: parameters kept as
     initializers named like the torch state_dict, no constant folding, dropout kept live.
 
-    Every dimension is static, that of `example` (the engine pads short batches to it). A dynamic batch axis made
+    Every dimension is static, that of `args` (the engine pads short batches to it). A dynamic batch axis made
     ORT's Reshape gradient wrong: it rebuilds the input's shape from the inferred one, writing 0 ("copy this
     dimension from the input") for the symbolic batch dimension, and the input it copies from is the flattened
     gradient, (B*T, C): a (B, T, C) -> (B*T, C) reshape then fails with "requested shape {B*T,T,C}".
     """
     torch.onnx.export(
         model,
-        (example,),
+        args,
         str(path),
-        input_names=["input"],
-        output_names=["logits"],
+        input_names=input_names,
+        output_names=output_names,
         export_params=True,
         do_constant_folding=False,
         training=torch.onnx.TrainingMode.TRAINING,

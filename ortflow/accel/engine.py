@@ -7,23 +7,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-# Targets equal to this are padding: they carry no loss and no accuracy. Same value as torch's default.
-IGNORE_INDEX = -100
-
-
-@dataclass
-class EvalResult:
-    """Sums over one eval batch, so that batches of any size aggregate exactly."""
-
-    loss_sum: float  # summed cross-entropy over counted targets
-    correct: int  # counted targets whose argmax prediction is right
-    count: int  # targets that are not IGNORE_INDEX
-
-    def __add__(self, other: "EvalResult") -> "EvalResult":
-        return EvalResult(self.loss_sum + other.loss_sum, self.correct + other.correct, self.count + other.count)
+from ortflow.batch import Inputs, Layout, layout_of, pad_rows
+from ortflow.errors import OrtflowError
+from ortflow.loss import CrossEntropy, EvalResult, Loss
 
 
 def _no_wrappers(module: nn.Module) -> nn.Module:
@@ -37,7 +25,9 @@ class EngineContext:
     Attributes:
         model: the user's torch model, with its initial (or resumed) weights.
         example: one (inputs, targets) batch of the training batch size, taken without drawing from the training
-            loader's generator (the data order stays the same in every accel mode).
+            loader's generator (the data order stays the same in every accel mode). Its inputs' structure (one
+            tensor, a tuple or a dict of tensors) is the one every batch has.
+        loss: the loss group's Loss (ortflow/loss.py), used identically by every engine.
         optim: the optim group (ortflow/optim.py); an engine either builds torch.optim from it or bakes it in.
         grad_clip: max global gradient norm, or None.
         debug: the debug group; an engine that cannot honour a debug option refuses it in its `problems`.
@@ -47,8 +37,9 @@ class EngineContext:
     """
 
     model: nn.Module
-    example: tuple[torch.Tensor, torch.Tensor]
+    example: tuple[Inputs, torch.Tensor]
     optim: Any
+    loss: Loss = field(default_factory=CrossEntropy)
     grad_clip: float | None = None
     debug: Any = None
     onnx_dir: Path = field(default_factory=lambda: Path("onnx"))
@@ -56,8 +47,12 @@ class EngineContext:
     reduce_loss: Callable[[float], float] | None = None
 
     @property
+    def layout(self) -> Layout:
+        return layout_of(self.example[0])
+
+    @property
     def batch_size(self) -> int:
-        return self.example[0].size(0)
+        return self.layout.flatten(self.example[0])[0].size(0)
 
 
 class Engine(Protocol):
@@ -65,14 +60,14 @@ class Engine(Protocol):
 
     name: str
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: Inputs, targets: torch.Tensor) -> float:
         """Forward, backward and optimizer step on one batch; returns the batch's mean loss.
 
         A NaN or infinite loss leaves the weights and the optimizer untouched (the step is not applied)."""
         ...
 
-    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
-        """Loss and accuracy sums on one batch, in eval mode, without touching the parameters."""
+    def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
+        """Loss and metric sums on one batch (Loss.sums), in eval mode, without touching the parameters."""
         ...
 
     def set_lr(self, lr: float) -> None: ...
@@ -95,45 +90,54 @@ class Engine(Protocol):
         ...
 
 
-def flat_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over all positions: logits (B, ..., C), targets (B, ...)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)
-
-
 class WithLoss(nn.Module):
-    """Model plus loss in one module, so ORTModule runs the loss inside ORT too.
+    """Model plus loss in one module, so ORTModule runs the loss inside ORT too. It takes the flat input tensors
+    followed by the targets (batch.Layout) and calls the model with its inputs in their own structure.
 
-    Training mode returns the loss only; eval mode returns (loss, logits) for accuracy.
+    Training mode returns the loss only; eval mode returns (loss, output) for the metrics.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, loss: Loss, layout: Layout) -> None:
         super().__init__()
         self.model = model
+        self.loss = loss
+        self.layout = layout
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor):
-        logits = self.model(inputs)
-        loss = flat_cross_entropy(logits, targets)
-        return loss if self.training else (loss, logits)
-
-
-def eval_sums(loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> EvalResult:
-    """Turn a batch's mean loss and logits into sums over the non-padding targets."""
-    keep = targets != IGNORE_INDEX
-    count = int(keep.sum())
-    correct = int(((logits.argmax(-1) == targets) & keep).sum())
-    return EvalResult(float(loss) * count, correct, count)
+    def forward(self, *tensors: torch.Tensor):
+        *inputs, targets = tensors
+        output = self.layout.call(self.model, tuple(inputs))
+        loss = self.loss(output, targets)
+        return loss if self.training else (loss, output)
 
 
-def pad_batch(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad a short batch along dim 0 to `batch_size`: zero inputs, IGNORE_INDEX targets.
+def pad_batch(
+    tensors: tuple[torch.Tensor, ...], targets: torch.Tensor, batch_size: int, loss: Loss
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Pad a short training batch along dim 0 to `batch_size`: zero inputs, targets that carry no loss.
 
-    ORT graphs are exported for the first batch's shape; a smaller last batch would hit shapes baked into the
-    graph (a Reshape in nn.MultiheadAttention). Padded rows carry no loss, and samples do not interact across
-    the batch dimension, so the mean loss over the real rows is unchanged.
+    ORT graphs are exported for the example batch's shape; a smaller batch would hit shapes baked into the graph.
+    Padded rows carry no loss and samples do not interact across the batch dimension (the model contract), so the
+    mean loss over the real rows is unchanged. A loss without such targets (mse, a custom loss) refuses a short
+    batch (ortflow's loaders give full training batches only).
     """
-    missing = batch_size - inputs.size(0)
+    missing = batch_size - targets.size(0)
     if missing <= 0:
-        return inputs, targets
-    pad_in = inputs.new_zeros((missing, *inputs.shape[1:]))
-    pad_tg = targets.new_full((missing, *targets.shape[1:]), IGNORE_INDEX)
-    return torch.cat([inputs, pad_in]), torch.cat([targets, pad_tg])
+        return tensors, targets
+    padding = loss.pad_targets(targets, missing)
+    if padding is None:
+        raise OrtflowError(
+            f"a training batch has {targets.size(0)} samples, fewer than the batch size {batch_size}, and this loss "
+            f"({type(loss).__name__}) has no targets that carry no loss to pad it with. Give the training loader "
+            "drop_last=True (ortflow's own data builders do)."
+        )
+    return pad_rows(tensors, missing), torch.cat([targets, padding])
+
+
+def pad_eval_batch(
+    tensors: tuple[torch.Tensor, ...], targets: torch.Tensor, batch_size: int
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Pad a short eval batch with zero rows; only the real rows' outputs are scored (Loss.sums)."""
+    missing = batch_size - targets.size(0)
+    if missing <= 0:
+        return tensors, targets
+    return pad_rows(tensors, missing), torch.cat([targets, targets.new_zeros((missing, *targets.shape[1:]))])

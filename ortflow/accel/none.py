@@ -11,8 +11,10 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel.engine import EngineContext, EvalResult, WithLoss, eval_sums
+from ortflow.accel.engine import EngineContext, WithLoss
+from ortflow.batch import Inputs, Layout
 from ortflow.config import OptimConfig
+from ortflow.loss import EvalResult, Loss
 from ortflow.optim import build_torch_optimizer
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,8 @@ def problems(cfg: DictConfig) -> list[str]:
 
 def build(ctx: EngineContext) -> "EagerEngine":
     """The eager engine around `ctx.model` (with ctx's distributed wrappers around it)."""
-    return EagerEngine(ctx.wrap(WithLoss(ctx.model)), ctx.model, ctx.optim, ctx.grad_clip, ctx.reduce_loss)
+    module = ctx.wrap(WithLoss(ctx.model, ctx.loss, ctx.layout))
+    return EagerEngine(module, ctx.model, ctx.loss, ctx.layout, ctx.optim, ctx.grad_clip, ctx.reduce_loss)
 
 
 class EagerEngine:
@@ -55,14 +58,18 @@ class EagerEngine:
         self,
         module: nn.Module,
         model: nn.Module,
+        loss: Loss,
+        layout: Layout,
         optim: OptimConfig,
         grad_clip: float | None,
         reduce_loss: Callable[[float], float] | None = None,
     ) -> None:
         """
         Args:
-            module: what is called with (inputs, targets); returns the loss in train mode (DDP may wrap it).
+            module: what is called with (*input tensors, targets); returns the loss in train mode (DDP may wrap it).
             model: the user's torch model inside `module` (owner of the state_dict names).
+            loss: the loss inside `module`; its `sums` score eval batches.
+            layout: the structure of a batch's inputs.
             optim: optimizer settings.
             grad_clip: max global grad norm, or None for no clipping.
             reduce_loss: turns this process's loss into the global one (the mean over ranks) before the step, so
@@ -70,13 +77,15 @@ class EagerEngine:
         """
         self.module = module
         self.model = model
+        self.loss = loss
+        self.layout = layout
         self.optimizer = build_torch_optimizer(module.parameters(), optim)
         self.grad_clip = grad_clip
         self.reduce_loss = reduce_loss
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: Inputs, targets: torch.Tensor) -> float:
         self.module.train()
-        loss = self.module(inputs, targets)
+        loss = self.module(*self.layout.flatten(inputs), targets)
         value = loss.item() if self.reduce_loss is None else self.reduce_loss(loss.item())
         if not math.isfinite(value):
             return value  # no backward, no update: the weights stay the last good ones
@@ -88,10 +97,10 @@ class EagerEngine:
         return value
 
     @torch.no_grad()
-    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
+    def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
         self.module.eval()
-        loss, logits = self.module(inputs, targets)
-        return eval_sums(loss, logits, targets)
+        _, output = self.module(*self.layout.flatten(inputs), targets)
+        return self.loss.sums(output, targets)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

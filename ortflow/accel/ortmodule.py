@@ -20,12 +20,14 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ortflow.accel import compat
-from ortflow.accel.engine import EngineContext, EvalResult, WithLoss, pad_batch
+from ortflow.accel.engine import EngineContext, WithLoss, pad_batch, pad_eval_batch
 from ortflow.accel.extensions import ensure_built
 from ortflow.accel.none import EagerEngine
+from ortflow.batch import Inputs, Layout
 from ortflow.config import DebugConfig
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
+from ortflow.loss import EvalResult
 from ortflow.ranges import ranged
 
 log = logging.getLogger(__name__)
@@ -143,8 +145,13 @@ class ORTModuleEngine:
         with compat.ortmodule_construction(fallback_allowed=settings.fallback == Fallback.warn, opset=settings.opset):
             from onnxruntime.training.ortmodule import ORTModule
 
-            self.module = ORTModule(WithLoss(ctx.model), debug_options(ctx.debug, ctx.onnx_dir))
-        self.inner = EagerEngine(ctx.wrap(self.module), ctx.model, ctx.optim, ctx.grad_clip, ctx.reduce_loss)
+            self.module = ORTModule(WithLoss(ctx.model, ctx.loss, ctx.layout), debug_options(ctx.debug, ctx.onnx_dir))
+        self.loss, self.layout = ctx.loss, ctx.layout
+        # The inner engine gets the padded, flattened input tensors (positional).
+        flat = Layout(ctx.layout.count)
+        self.inner = EagerEngine(
+            ctx.wrap(self.module), ctx.model, ctx.loss, flat, ctx.optim, ctx.grad_clip, ctx.reduce_loss
+        )
         self.batch_size = ctx.batch_size  # the shape ORT's graphs are exported for
         self.ort_steps = 0
         self.torch_steps = 0
@@ -173,8 +180,8 @@ class ORTModuleEngine:
             raise OrtflowError(message)
         log.warning(message)
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        inputs, targets = pad_batch(inputs, targets, self.batch_size)
+    def train_step(self, inputs: Inputs, targets: torch.Tensor) -> float:
+        inputs, targets = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
         before = self.runs.snapshot()
         loss = self._run(self.inner.train_step, inputs, targets)
         if not math.isfinite(loss):
@@ -188,10 +195,17 @@ class ORTModuleEngine:
             self._not_in_ort("training step (forward and backward)")
         return loss
 
-    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
-        inputs, targets = pad_batch(inputs, targets, self.batch_size)
+    @torch.no_grad()
+    def _eval(self, tensors: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
+        self.module.eval()
+        return self.module(*tensors, targets)[1]
+
+    def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
+        real = targets.size(0)
+        tensors, padded = pad_eval_batch(self.layout.flatten(inputs), targets, self.batch_size)
         before = self.runs.inference
-        result = self._run(self.inner.eval_step, inputs, targets)
+        output = self._run(self._eval, tensors, padded)
+        result = self.loss.sums(output[:real], targets)
         if self.runs.inference > before:
             self.ort_evals += 1
         else:

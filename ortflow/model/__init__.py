@@ -9,8 +9,12 @@ import torch
 from torch import nn
 
 
-def _to_sequence_first(_module: nn.Module, args: tuple) -> tuple:
-    return (args[0].transpose(0, 1), *args[1:])
+def _swap(value: Any) -> Any:
+    return value.transpose(0, 1) if isinstance(value, torch.Tensor) and value.dim() >= 2 else value
+
+
+def _to_sequence_first(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return tuple(_swap(a) for a in args), {k: _swap(v) for k, v in kwargs.items()}
 
 
 def _to_batch_first(_module: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -19,9 +23,9 @@ def _to_batch_first(_module: nn.Module, _args: tuple, output: torch.Tensor) -> t
 
 def sequence_first(model: nn.Module) -> nn.Module:
     """Let a sequence-first model, (T, B, ...) -> (T, B, ..., C), take ortflow's batch-first batches: forward hooks
-    transpose its input and its output, so the engines (and ONNX exports, which trace the hooks) see a batch-first
-    model, and its state_dict keeps its own names."""
-    model.register_forward_pre_hook(_to_sequence_first)
+    transpose its inputs (every input tensor of 2 or more dimensions) and its output, so the engines (and ONNX
+    exports, which trace the hooks) see a batch-first model, and its state_dict keeps its own names."""
+    model.register_forward_pre_hook(_to_sequence_first, with_kwargs=True)
     model.register_forward_hook(_to_batch_first)
     return model
 

@@ -1,8 +1,10 @@
 """The model contract, checked once on one batch before the first step, the same for every engine.
 
-A builder returns an `nn.Module`. Its forward takes the batch's inputs, `(B, ...)` (or `(T, B, ...)` with
-`data.batch_first=false`), and returns float logits `(B, ..., C)` whose leading dimensions are the targets' and
-whose last dimension C covers every class id in the targets. Samples must not interact across the batch dimension
+A builder returns an `nn.Module`. Its forward takes the batch's inputs (one tensor, the tensors of a tuple
+positionally, or those of a dict by keyword), each `(B, ...)` (or `(T, B, ...)` with `data.batch_first=false`),
+and returns a float tensor the loss takes (ortflow/loss.py): for cross-entropy, logits `(B, ..., C)` whose leading
+dimensions are the targets' and whose last dimension C covers every class id in the targets; for mse and
+bce_with_logits, the targets' shape. Samples must not interact across the batch dimension
 (the engines pad short batches, and DDP splits batches): a probe that changes one sample must leave the other
 samples' outputs unchanged. A violation is one OrtflowError naming the builder, what it returned and what was
 expected.
@@ -13,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ortflow.batch import Inputs, describe, layout_of
 from ortflow.errors import OrtflowError
+from ortflow.loss import Loss
 
 # Differences below this (relative to the outputs' scale) count as rounding, not as samples interacting.
 _MIX_TOLERANCE = 1e-4
@@ -37,60 +41,62 @@ def _short(value: Any) -> str:
 
 
 @torch.no_grad()
-def check_model(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, target: str) -> None:
+def check_model(model: nn.Module, inputs: Inputs, targets: torch.Tensor, loss: Loss, target: str) -> None:
     """Run the contract's checks on one batch, in eval mode (no dropout), leaving the model as it was."""
+    layout = layout_of(inputs)
+    tensors = layout.flatten(inputs)
     was_training = model.training
     model.eval()
     try:
         try:
-            out = model(inputs)
+            out = layout.call(model, tensors)
         except Exception as err:
             raise OrtflowError(
                 f"model._target_={target}: the model's forward failed on a data batch of inputs "
-                f"{tuple(inputs.shape)} {inputs.dtype} ({type(err).__name__}: {str(err).strip().splitlines()[0]}). "
+                f"{describe(inputs)} ({type(err).__name__}: {str(err).strip().splitlines()[0]}). "
                 "Check that the model fits the data (e.g. data=digits gives 64 float features per sample, data=text "
-                "gives int64 token ids)."
+                "gives int64 token ids, data=diabetes 10 float features; a tuple of inputs is passed positionally, "
+                "a dict by keyword)."
             ) from None
-        _check_logits(out, targets, target)
-        _check_independence(model, inputs, out, target)
+        _check_output(out, targets, loss, target)
+        _check_independence(model, layout, tensors, out, target)
     finally:
         model.train(was_training)
 
 
-def _check_logits(out: Any, targets: torch.Tensor, target: str) -> None:
-    expected = f"float logits of shape {(*targets.shape, 'C')} (the targets' shape plus the classes)"
+def _check_output(out: Any, targets: torch.Tensor, loss: Loss, target: str) -> None:
     if not isinstance(out, torch.Tensor):
         hint = ""
         if isinstance(out, tuple | list):
-            hint = f" It returns {len(out)} items: choose the logits with model._output_=INDEX (e.g. 0)."
+            hint = f" It returns {len(out)} items: choose the output with model._output_=INDEX (e.g. 0)."
         elif isinstance(out, dict) or hasattr(out, "__dict__"):
             keys = list(out) if isinstance(out, dict) else [k for k in vars(out) if not k.startswith("_")]
-            hint = f" Choose the logits among {keys[:8]} with model._output_=KEY (e.g. +model._output_=logits)."
+            hint = f" Choose the output among {keys[:8]} with model._output_=KEY (e.g. +model._output_=logits)."
         raise OrtflowError(
-            f"model._target_={target}: forward returned {type(out).__name__} ({_short(out)}); expected {expected}."
-            + hint
+            f"model._target_={target}: forward returned {type(out).__name__} ({_short(out)}); expected a float "
+            f"tensor for the loss ({type(loss).__name__})." + hint
         )
     if not out.is_floating_point():
-        raise OrtflowError(f"model._target_={target}: forward returned a {out.dtype} tensor; expected {expected}.")
-    if out.dim() != targets.dim() + 1 or tuple(out.shape[:-1]) != tuple(targets.shape):
         raise OrtflowError(
-            f"model._target_={target}: forward returned logits of shape {tuple(out.shape)}; expected {expected}."
+            f"model._target_={target}: forward returned a {out.dtype} tensor; expected a float tensor for the loss "
+            f"({type(loss).__name__})."
         )
-    classes = int(targets.max()) + 1 if targets.numel() else 0
-    if out.size(-1) < classes:
-        raise OrtflowError(
-            f"model._target_={target}: forward returns {out.size(-1)} classes, but the data has class ids up to "
-            f"{classes - 1}; the model needs at least {classes} outputs (e.g. model.vocab_size / num_classes)."
-        )
+    if problem := loss.problem(out, targets):
+        raise OrtflowError(f"model._target_={target}: {problem}.")
 
 
-def _check_independence(model: nn.Module, inputs: torch.Tensor, out: torch.Tensor, target: str) -> None:
+def _check_independence(
+    model: nn.Module, layout: Any, tensors: tuple[torch.Tensor, ...], out: torch.Tensor, target: str
+) -> None:
     """Change sample 0's inputs; the other samples' outputs must not move."""
-    if inputs.size(0) < 2:
+    if tensors[0].size(0) < 2:
         return
-    probe = inputs.clone()
-    probe[0] = inputs[1] if not torch.equal(inputs[0], inputs[1]) else _perturbed(inputs[0])
-    moved = (model(probe)[1:] - out[1:]).abs().max()
+    probe = []
+    for t in tensors:
+        changed = t.clone()
+        changed[0] = t[1] if not torch.equal(t[0], t[1]) else _perturbed(t[0])
+        probe.append(changed)
+    moved = (layout.call(model, tuple(probe))[1:] - out[1:]).abs().max()
     scale = out[1:].abs().max().clamp_min(1.0)
     if moved > _MIX_TOLERANCE * scale:
         raise OrtflowError(
