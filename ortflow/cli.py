@@ -8,6 +8,7 @@ Single run: a user error prints one paragraph and exits with status 2. Multirun:
 import logging
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from ortflow.errors import OrtflowError
 from ortflow.metadata import read_record
 from ortflow.paths import config_dir
 from ortflow.signals import Interrupted, Preempted
+from ortflow.summary import print_summary
 from ortflow.validate import validate
 
 log = logging.getLogger("ortflow")
@@ -64,9 +66,16 @@ def _main(cfg: DictConfig) -> float:
         except OrtflowError as err:
             return _user_error(err, sweeping)
         return _launch(cfg, run_dir, overrides, list(hydra_cfg.overrides.hydra), sweeping)
+    started = time.monotonic()
+
+    def summary() -> None:  # the closing table of a single run, on rank 0
+        if not sweeping and not distributed.world_from_env().rank:
+            print_summary(run_dir, time.monotonic() - started)
+
     try:
         metrics = train(cfg, run_dir, overrides)
     except Preempted as err:
+        summary()
         # A clean stop (exit status 0) that a scheduler can requeue; a sweep stops here too, resumable as a whole.
         print(
             f"ortflow: {err}. Continue with the same command plus trainer.resume=auto"
@@ -77,17 +86,20 @@ def _main(cfg: DictConfig) -> float:
         )
         sys.exit(0)
     except Interrupted as err:
+        summary()
         print(f"ortflow: {err}; run.json in {run_dir} records it.", file=sys.stderr, flush=True)
         sys.exit(err.exit_status)
     except OrtflowError as err:
         if os.environ.get("ORTFLOW_TRACEBACK"):
             traceback.print_exc()
+        summary()
         return _user_error(err, sweeping)
     except Exception:
         if not sweeping:
             raise
         log.exception("job %s failed", hydra_cfg.job.num)  # recorded in run.json; the sweep goes on
         return float("nan")
+    summary()
     return metrics[cfg.objective]
 
 

@@ -1,8 +1,11 @@
-"""`ortflow-compare RUN_DIR RUN_DIR [...]`: the config keys on which runs differ, and their final metrics."""
+"""`ortflow-compare RUN_DIR RUN_DIR [...]`: the config keys on which runs differ, their final metrics, and a PNG of
+their loss and eval curves on shared axes (with the per-step loss difference when an ORT run is compared with an
+eager run of the same config)."""
 
 import argparse
 import json
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ortflow.metadata import flatten
+from ortflow.plots import plot_runs
 from ortflow.trainer import FINAL_METRICS
 
 HEAD = ("status", "executed_by", "steps")
@@ -53,6 +57,7 @@ def _fmt(value: Any) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ortflow-compare", description=__doc__)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (each holds a run.json)")
+    parser.add_argument("--png", type=Path, help="where to write the curves (default outputs/compare/<time>.png)")
     args = parser.parse_args(argv)
     if len(args.runs) < 2:
         parser.error("give at least two run directories")
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     for metric, *values in zip(rows, *(metric_values(r, rows) for r in records), strict=True):
         table.add_row(metric, *(_fmt(v) for v in values))
     console.print(table)
+    png = args.png or Path("outputs") / "compare" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.png"
+    console.print(f"curves: {plot_runs(args.runs, png)}")
 
 
 if __name__ == "__main__":

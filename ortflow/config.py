@@ -194,7 +194,8 @@ class TrainerConfig:
 @dataclass
 class LoggerConfig:
     tensorboard: bool = True  # write <run dir>/tensorboard/
-    progress: bool = True  # progress bar on the terminal
+    progress: bool = True  # progress bar on the terminal (a plain line every trainer.log_every steps without one)
+    verbose: bool = False  # other libraries' messages (ORT, torch) and ortflow's INFO lines on the terminal too
 
 
 # ---------------------------------------------------------------------------------------------------- config

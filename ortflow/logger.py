@@ -1,15 +1,18 @@
-"""Where a run reports: TensorBoard scalars/text under <run dir>/tensorboard, a progress bar, run metadata."""
+"""Where a run reports: TensorBoard scalars/text under <run dir>/tensorboard, metrics.jsonl, and the progress bar
+(or plain lines) on the terminal."""
 
 import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ortflow.config import LoggerConfig
+from ortflow.terminal import console
 
 log = logging.getLogger(__name__)
 
@@ -22,16 +25,32 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     os.replace(tmp.name, path)
 
 
+def _short(value: float) -> str:
+    return f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+
+
+def eval_text(values: dict[str, float]) -> str:
+    """`loss 1.602  accuracy 0.7222` from {"eval/loss": ..., "eval/accuracy": ...}."""
+    return "  ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in values.items() if k.startswith("eval/"))
+
+
 class RunLogger:
-    """Scalars and text to TensorBoard, every log point to <run dir>/metrics.jsonl and the Python log, and a
-    progress bar."""
+    """Scalars and text to TensorBoard, every log point to <run dir>/metrics.jsonl and ortflow.log, and what a person
+    watches: a progress bar on a terminal (step, ETA, loss, lr, samples/s, last eval), or without one (CI, a pipe,
+    a SLURM log) a plain line every `log_every` steps; evaluations print above the bar as they come."""
 
     def __init__(
-        self, run_dir: Path, cfg: LoggerConfig, total_steps: int, start_step: int = 0, writes: bool = True
+        self,
+        run_dir: Path,
+        cfg: LoggerConfig,
+        total_steps: int,
+        start_step: int = 0,
+        writes: bool = True,
+        log_every: int = 10,
     ) -> None:
         """`start_step`: the step a resumed run continues from. TensorBoard then drops the points an interrupted
         attempt logged after it (they are superseded); metrics.jsonl keeps every line and marks the resume.
-        `writes=False` (ranks other than 0): log lines only, no files and no progress bar."""
+        `writes=False` (ranks other than 0): log lines only, no files and nothing on the terminal."""
         self.points = (run_dir / "metrics.jsonl").open("a") if writes else None
         if writes and start_step:
             self.points.write(json.dumps({"resumed_from_step": start_step}) + "\n")
@@ -41,17 +60,33 @@ class RunLogger:
 
             purge = start_step + 1 if start_step else None
             self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
+        self.shows = writes
+        self.total, self.start, self.log_every = total_steps, start_step, log_every
+        self.latest: dict[str, float] = {}  # the newest value of each scalar, for the bar and the plain lines
+        self.started = time.monotonic()
         self.progress: Progress | None = None
-        if writes and cfg.progress:
-            self.progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[status]}"),
-                TimeRemainingColumn(),
-            )
-            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
-            self.progress.start()
+        self.bar = writes and cfg.progress and console().is_terminal  # started by header() or the first step
+
+    def _start_bar(self) -> None:
+        self.bar = False
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=console(),
+        )
+        self.task = self.progress.add_task("train", total=self.total, completed=self.start, status="")
+        self.progress.start()
+
+    def header(self, text: str) -> None:
+        """The run's one header line (what trains, on what, where the results go), then the bar."""
+        log.info("%s", text)
+        if self.shows:
+            console().print(text, markup=False)
+        if self.bar:
+            self._start_bar()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.points is not None:
@@ -61,6 +96,30 @@ class RunLogger:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
         log.info("step %d  %s", step, "  ".join(f"{k}={v:.4g}" for k, v in values.items()))
+        self.latest.update(values)
+        if self.shows and any(k.startswith("eval/") for k in values):
+            console().print(f"eval  step {step}/{self.total}  {eval_text(values)}", markup=False)
+
+    def _status(self, loss: float, lr: float) -> str:
+        parts = [f"loss {loss:.4f}", f"lr {_short(lr)}"]
+        if "perf/samples_per_sec" in self.latest:
+            parts.append(f"{self.latest['perf/samples_per_sec']:.4g} samples/s")
+        if "eval/loss" in self.latest:
+            parts.append(f"eval {eval_text({k: v for k, v in self.latest.items() if k.startswith('eval/')})}")
+        return "  ".join(parts)
+
+    def advance(self, step: int, loss: float, lr: float) -> None:
+        """After each step: the bar moves; without a bar, a plain line every log_every steps (and at the end)."""
+        if not self.shows:
+            return
+        if self.bar:
+            self._start_bar()
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, status=self._status(loss, lr))
+        elif step % self.log_every == 0 or step == self.total:
+            done = step - self.start
+            eta = (time.monotonic() - self.started) / done * (self.total - step) if done else 0.0
+            console().print(f"step {step}/{self.total}  {self._status(loss, lr)}  eta {eta:.0f}s", markup=False)
 
     def text(self, tag: str, text: str) -> None:
         if self.writer is not None:
@@ -72,14 +131,11 @@ class RunLogger:
         if self.writer is not None:
             self.writer.add_hparams(params, {f"final/{k}": v for k, v in metrics.items()}, run_name="hparams")
 
-    def advance(self, status: str) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, advance=1, status=status)
-
     def close(self) -> None:
         if self.points is not None:
             self.points.close()
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
         if self.writer is not None:
             self.writer.close()

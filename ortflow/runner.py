@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ortflow import accel, checkpoint, distributed, loss
+from ortflow import accel, checkpoint, distributed, loss, terminal
 from ortflow.accel.engine import Engine, EngineContext
 from ortflow.batch import Inputs, split_batch
 from ortflow.data import Data
@@ -114,6 +114,18 @@ def hparams_from(overrides: list[str], cfg: DictConfig, engine: str) -> dict[str
     return params
 
 
+def header(cfg: DictConfig, overrides: list[str], model: nn.Module, engine: Engine, run_dir: Path, start: int) -> str:
+    """The run's one header line: recipe, model and size, accel mode and what executes it, steps, run dir."""
+    recipe = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("recipe=")), None)
+    params = sum(p.numel() for p in model.parameters())
+    size = f"{params / 1e6:.2f}M" if params >= 1e5 else f"{params / 1e3:.1f}K"
+    target = str(cfg.model.get("_target_", type(model).__name__)).rsplit(".", 1)[-1]
+    title = getattr(accel.engine_module(cfg.accel), "TITLE", engine.name)
+    steps = f"steps {start + 1}-{cfg.trainer.max_steps}" if start else f"{cfg.trainer.max_steps} steps"
+    parts = [f"recipe {recipe}" if recipe else None, f"{target} ({size} parameters)", f"accel={engine.name}: {title}"]
+    return "ortflow  " + " | ".join(p for p in parts if p) + f" | {steps} | run dir {run_dir}"
+
+
 def _config_dict(cfg: DictConfig) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -137,6 +149,12 @@ def _out_of_memory(cfg: DictConfig, err: BaseException) -> str:
     )
 
 
+def _debug_verbose(cfg: DictConfig) -> bool:
+    """debug=verbose (ORTModule's INFO/VERBOSE log level) implies logger.verbose."""
+    level = OmegaConf.select(cfg, "debug.log_level")
+    return getattr(level, "value", level) in ("INFO", "VERBOSE")
+
+
 def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """Train as `cfg` says, writing everything under `run_dir`; return the final metrics.
 
@@ -149,6 +167,9 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = list(overrides or [])
+    terminal.set_verbose(bool(OmegaConf.select(cfg, "logger.verbose")) or _debug_verbose(cfg))
+    logging.captureWarnings(True)  # other libraries' warnings (torch's deprecations, tracer warnings): ortflow.log
+    terminal.quiet_import("torch.utils.cpp_extension")  # its import prints a CUDA_HOME notice on CPU machines
     world = distributed.world_from_env()  # every rank trains; only rank 0 writes files
     cfg = fast_dev_run(cfg)
     run = RunDir(run_dir, _config_dict(cfg), overrides, cfg.seed, world)
@@ -198,7 +219,15 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> 
         cfg.trainer.max_steps,
     )
     start = state.step if state else 0
-    logger = RunLogger(run.path, cfg.logger, cfg.trainer.max_steps, start_step=start, writes=world.is_main)
+    logger = RunLogger(
+        run.path,
+        cfg.logger,
+        cfg.trainer.max_steps,
+        start_step=start,
+        writes=world.is_main,
+        log_every=cfg.trainer.log_every,
+    )
+    logger.header(header(cfg, overrides, model, engine, run.path, start))
     logger.text("config", OmegaConf.to_yaml(cfg, resolve=True))
     logger.text("data", "\n".join(f"{k}: {v}" for k, v in data.info.items()))
     try:
@@ -216,6 +245,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> 
             rank=world.rank,
             world_size=world.size,
             any_rank=distributed.any_rank,
+            watch=cfg.objective,
         )
         execution = engine.describe()
         if world.size > 1:  # proof per rank: each one's own engine says what executed there

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ortflow.metadata import read_record
+from ortflow.plots import plot_runs
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in shown) + " |" for r in rows]
     (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    jobs = [sweep_dir / r["job"] for r in rows if (sweep_dir / r["job"] / "metrics.jsonl").is_file()]
+    if jobs:
+        plot_runs(jobs, sweep_dir / "summary.png", title=f"sweep {sweep_dir}")
     return rows
 
 
@@ -87,6 +91,11 @@ class SweepSummary(Callback):
         failed = [r for r in rows if r["status"] != "completed"]
         for r in failed:
             log.error("job %s (%s): %s %s", r["job"], r["overrides"], r["status"], r["error"])
-        log.info("summary: %s (TensorBoard HPARAMS: tensorboard --logdir %s)", sweep_dir / "summary.csv", sweep_dir)
+        log.info(
+            "summary: %s, curves: %s (TensorBoard HPARAMS: tensorboard --logdir %s)",
+            sweep_dir / "summary.csv",
+            sweep_dir / "summary.png",
+            sweep_dir,
+        )
         if failed:
             sys.exit(1)

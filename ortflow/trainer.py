@@ -41,6 +41,24 @@ class LoopState:
     skipped_steps: int = 0  # non-finite steps dropped with on_nonfinite=skip
     skipped_in_a_row: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    best_value: float | None = None  # the best evaluation of the watched metric so far, and its step
+    best_step: int = 0
+
+
+def watched_metric(objective: str) -> tuple[str, bool]:
+    """The eval metric whose best value a run tracks (its objective if that is an eval metric, else eval/loss), and
+    whether higher is better (accuracy)."""
+    metric = objective if objective.startswith("eval/") else "eval/loss"
+    return metric, metric.endswith("accuracy")
+
+
+def _track_best(state: LoopState, step: int, evaluated: dict[str, float], watch: str) -> None:
+    metric, higher = watched_metric(watch)
+    value = evaluated.get(metric)
+    if value is None or not math.isfinite(value):
+        return
+    if state.best_value is None or (value > state.best_value if higher else value < state.best_value):
+        state.best_value, state.best_step = value, step
 
 
 # Called after a step with the state; writes a checkpoint and returns its path.
@@ -110,6 +128,7 @@ def train_loop(
     rank: int = 0,
     world_size: int = 1,
     any_rank: Callable[[bool], bool] = bool,
+    watch: str = "eval/loss",
 ) -> dict[str, Any]:
     """Run optimizer steps from state.step + 1 to trainer.max_steps; return the final metrics.
 
@@ -120,6 +139,8 @@ def train_loop(
         seed: the run's seed (torch's and ORT's generators are re-seeded from it, the step and `rank` every step).
         world_size: processes training together (each with its own batch): samples/s counts all of them.
         any_rank: whether a flag is set on any rank (all ranks then stop after the same step on SIGTERM).
+        watch: the run's objective; its best evaluation (watched_metric) and that step are tracked and returned as
+            best/<metric> and best/step.
 
     Raises:
         OrtflowError: the loss became NaN or infinite (the message names the step).
@@ -164,8 +185,9 @@ def train_loop(
             if (trainer.eval_every and step % trainer.eval_every == 0) or step == trainer.max_steps:
                 evaluated = evaluate(engine, val, trainer.eval_batches)
                 state.metrics.update(evaluated)
+                _track_best(state, step, evaluated, watch)
                 logger.scalars(step, evaluated)
-            logger.advance(f"loss {loss:.3f}")
+            logger.advance(step, loss, lr)
             stopping = any_rank(stop.requested) if save is not None else False
             if save is not None and ((every and step % every == 0) or step == trainer.max_steps or stopping):
                 path = save(state)
@@ -177,4 +199,7 @@ def train_loop(
     metrics["perf/first_step_s"] = state.first_step_s
     metrics["steps"] = trainer.max_steps
     metrics["skipped_steps"] = state.skipped_steps
+    if state.best_value is not None:
+        metrics[f"best/{watched_metric(watch)[0]}"] = state.best_value
+        metrics["best/step"] = state.best_step
     return metrics

@@ -51,7 +51,7 @@ class Recorder:
     def scalars(self, step, values) -> None:
         self.points.append((step, values))
 
-    def advance(self, status) -> None:
+    def advance(self, step, loss, lr) -> None:
         pass
 
     def steps_with(self, key: str) -> list[int]:

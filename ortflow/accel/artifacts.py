@@ -21,6 +21,7 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
+from ortflow import terminal
 from ortflow.accel import compat
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.none import debug_problems
@@ -34,6 +35,7 @@ from ortflow.ranges import ranged
 log = logging.getLogger(__name__)
 
 NAME = "artifacts"
+TITLE = "ONNX Runtime training API (export -> generate_artifacts)"  # the run header's "what executes it"
 MIN_OPSET = 14  # the lowest opset ORT's training graphs (SoftmaxCrossEntropyLoss, LayerNormalization grads) build at
 
 
@@ -212,7 +214,11 @@ class ArtifactsEngine:
         refuse_unsupported(forward)
         self.graph_fixes = compat.prepare_training_graph(forward, accel.rewrite_gathers)
         params = dict(model.named_parameters())
-        with compat.quiet_root_logger(), _cannot_train("build its training graph"):
+        with (
+            terminal.native_stderr("onnxruntime"),
+            compat.quiet_root_logger(),
+            _cannot_train("build its training graph"),
+        ):
             artifacts.generate_artifacts(
                 forward,
                 requires_grad=[_PREFIX + n for n, p in params.items() if p.requires_grad],
@@ -226,7 +232,7 @@ class ArtifactsEngine:
         self.options = onnxruntime.SessionOptions()
         self.options.log_severity_level = 3  # errors only: ORT logs every graph transformer it applies at INFO
         compat.apply_session_settings(self.options, accel.intra_op_threads, accel.allow_spinning)
-        with _cannot_train("load its training and eval graphs"):
+        with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs"):
             self._open(onnx_dir / "checkpoint", optim.lr)
         self.steps = 0
         self.evals = 0

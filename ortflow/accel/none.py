@@ -20,6 +20,7 @@ from ortflow.optim import build_torch_optimizer
 log = logging.getLogger(__name__)
 
 NAME = "none"
+TITLE = "eager PyTorch"  # the run header's "what executes it"
 
 
 @dataclass

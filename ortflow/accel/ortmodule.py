@@ -7,6 +7,7 @@ against this engine's ORT run counters, so a step that did not execute in ORT st
 are allowed, logged and recorded.
 """
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
+from ortflow import terminal
 from ortflow.accel import compat
 from ortflow.accel.engine import EngineContext, WithLoss, pad_batch, pad_eval_batch
 from ortflow.accel.extensions import ensure_built
@@ -33,6 +35,7 @@ from ortflow.ranges import ranged
 log = logging.getLogger(__name__)
 
 NAME = "ortmodule"
+TITLE = "ONNX Runtime via ORTModule"  # the run header's "what executes it"
 
 
 class Fallback(Enum):
@@ -153,16 +156,24 @@ class ORTModuleEngine:
             ctx.wrap(self.module), ctx.model, ctx.loss, flat, ctx.optim, ctx.grad_clip, ctx.reduce_loss
         )
         self.batch_size = ctx.batch_size  # the shape ORT's graphs are exported for
+        self.called: set[str] = set()  # the modes ("train", "eval") already run once
         self.ort_steps = 0
         self.torch_steps = 0
         self.ort_evals = 0
         self.torch_evals = 0
 
-    def _run(self, step, inputs: torch.Tensor, targets: torch.Tensor):
+    def _run(self, step, inputs: torch.Tensor, targets: torch.Tensor, mode: str):
         """Call `step` in this engine's ORT scope, turning ORTModule's "cannot run this model" exceptions into a
         clear user error."""
+        # ORTModule exports and builds its sessions on the first call in each mode; ORT logs its graph transformers
+        # to stderr meanwhile (at INFO, whatever the severity asked for): that goes to ortflow.log.
+        first = mode not in self.called
+        self.called.add(mode)
         try:
-            with compat.ortmodule_scope(self.session, self.runs, self.graph_fixes):
+            with (
+                terminal.native_stderr("onnxruntime") if first else contextlib.nullcontext(),
+                compat.ortmodule_scope(self.session, self.runs, self.graph_fixes),
+            ):
                 return step(inputs, targets)
         except compat.ortmodule_fallback_error() as err:
             raise OrtflowError(
@@ -183,7 +194,7 @@ class ORTModuleEngine:
     def train_step(self, inputs: Inputs, targets: torch.Tensor) -> float:
         inputs, targets = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
         before = self.runs.snapshot()
-        loss = self._run(self.inner.train_step, inputs, targets)
+        loss = self._run(self.inner.train_step, inputs, targets, "train")
         if not math.isfinite(loss):
             return loss  # forward only (no backward ran); the loop decides whether to stop or skip
         after = self.runs.snapshot()
@@ -204,7 +215,7 @@ class ORTModuleEngine:
         real = targets.size(0)
         tensors, padded = pad_eval_batch(self.layout.flatten(inputs), targets, self.batch_size)
         before = self.runs.inference
-        output = self._run(self._eval, tensors, padded)
+        output = self._run(self._eval, tensors, padded, "eval")
         result = self.loss.sums(output[:real], targets)
         if self.runs.inference > before:
             self.ort_evals += 1

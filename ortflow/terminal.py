@@ -1,0 +1,119 @@
+"""What a person sees. One rich Console (stdout) is shared by the log handler, the progress bar and the closing
+summary, so log lines print above the bar instead of breaking it. The terminal gets ortflow's warnings and errors
+(each distinct message once), the run's header, its evaluations and the summary; everything else (ortflow's own
+INFO lines, other libraries' messages and warnings, ONNX Runtime's native log lines) goes to <run dir>/ortflow.log
+only. `logger.verbose=true` (or debug=verbose) shows all of it on the terminal too.
+"""
+
+import contextlib
+import importlib
+import io
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from typing import ClassVar
+
+from rich.console import Console
+
+_console: Console | None = None
+_verbose = False
+native_log = logging.getLogger("ortflow.native")  # other libraries' output captured from the process's stderr
+
+
+def console() -> Console:
+    """The one Console of this process (it writes to whatever sys.stdout is when it prints)."""
+    global _console
+    if _console is None:
+        _console = Console(highlight=False, soft_wrap=True)
+    return _console
+
+
+def set_verbose(verbose: bool) -> None:
+    """Show other libraries' messages (and ortflow's INFO lines) on the terminal, and stop capturing them."""
+    global _verbose
+    _verbose = verbose
+
+
+def is_verbose() -> bool:
+    return _verbose
+
+
+class ConsoleHandler(logging.Handler):
+    """The terminal's logging handler (conf/hydra/job_logging/ortflow.yaml): ortflow's warnings once each, every
+    error; with set_verbose(True), every record at INFO and above."""
+
+    STYLES: ClassVar[dict[int, str]] = {
+        logging.WARNING: "yellow",
+        logging.ERROR: "bold red",
+        logging.CRITICAL: "bold red",
+    }
+
+    def __init__(self, level: int = logging.NOTSET) -> None:
+        super().__init__(level)
+        self.seen: set[tuple[str, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _verbose:
+            return record.levelno >= logging.INFO
+        if record.levelno >= logging.ERROR:
+            return True
+        if record.levelno < logging.WARNING or not record.name.startswith("ortflow"):
+            return False
+        key = (record.name, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.levelno >= logging.WARNING:
+                text = f"{record.levelname.lower()}: {text}"
+            elif _verbose:
+                text = f"[{record.name}] {text}"
+            console().print(text, style=self.STYLES.get(record.levelno), markup=False, highlight=False)
+        except Exception:
+            self.handleError(record)
+
+
+def _log_lines(text: str, source: str) -> None:
+    for line in text.splitlines():
+        if line.strip():
+            native_log.info("%s: %s", source, line.rstrip())
+
+
+def quiet_import(module: str) -> None:
+    """Import `module`, sending what it prints at import time to ortflow.log (torch.utils.cpp_extension prints
+    "No CUDA runtime is found, using CUDA_HOME=..." on every machine without CUDA)."""
+    if _verbose or module in sys.modules:
+        importlib.import_module(module)
+        return
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        importlib.import_module(module)
+    _log_lines(out.getvalue() + err.getvalue(), module)
+
+
+@contextlib.contextmanager
+def native_stderr(source: str) -> Iterator[None]:
+    """Send what native code writes to the process's stderr (file descriptor 2) inside the block to ortflow.log:
+    ONNX Runtime logs its graph transformers there at INFO while it builds training graphs and sessions, whatever
+    its logger severity. Exceptions still propagate; with set_verbose(True) nothing is captured."""
+    if _verbose:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            _log_lines(captured.read().decode(errors="replace"), source)
