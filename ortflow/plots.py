@@ -15,8 +15,9 @@ from matplotlib.figure import Figure
 
 from ortflow.metadata import flatten, read_record
 
-# matplotlib's tab10 palette, one colour per run (a test finds each run's curve by its colour)
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+# matplotlib's tab10 palette without its grey (the axes' text is grey), one colour per run; a test finds each run's
+# curve by its colour
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 PANEL_SIZE = (5.0, 3.6)  # inches per panel
 DPI = 100
 

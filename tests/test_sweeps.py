@@ -13,6 +13,7 @@ import pytest
 
 from ortflow.compare import main as compare
 from tests.conftest import TINY, run_cli, run_dirs
+from tests.test_terminal import curve_colours
 
 # Bitwise: the same seed, data order, thread count and kernels give the same floats in eager PyTorch.
 # ORTModule: ORT's kernels are deterministic on CPU too, but we do not promise bits across its graph rebuilds;
@@ -90,6 +91,7 @@ def test_multirun_runs_every_combination_and_summarises_at_the_sweep_root(tmp_pa
     # TensorBoard hparams for the HPARAMS tab, one per job
     assert len(list(sweep_dir.glob("*/tensorboard/hparams/events.out.tfevents.*"))) == 4
     assert (sweep_dir / "summary.md").read_text().count("| completed |") == 4
+    assert curve_colours(sweep_dir / "summary.png") == 4  # one curve per job
 
 
 @pytest.mark.slow
