@@ -174,6 +174,21 @@ class CheckpointConfig:
     keep: int | None = ranged(3, Ge(1))  # how many step checkpoints to keep (oldest deleted first); null = keep all
 
 
+class StopMode(Enum):
+    min = "min"  # lower is better (a loss)
+    max = "max"  # higher is better (accuracy)
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """Stop when an eval metric has not improved by more than min_delta for `patience` evaluations in a row."""
+
+    metric: str | None = None  # an eval metric the run reports (eval/loss, eval/accuracy, eval/mae); null = off
+    mode: StopMode = StopMode.min
+    patience: int = ranged(3, Ge(1))  # evaluations without improvement before stopping
+    min_delta: float = ranged(0.0, Ge(0))  # smaller changes do not count as improvements
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = ranged(100, Ge(1))  # optimizer steps
@@ -189,6 +204,18 @@ class TrainerConfig:
     # A smoke run of any recipe: N steps, one eval batch at the end, no checkpoints. 0 = off.
     fast_dev_run: int = ranged(0, Ge(0))
     max_skipped_steps: int = ranged(10, Ge(0))  # with on_nonfinite=skip: stop after this many non-finite steps in a row
+    # Micro-batches per optimizer step: gradients of N batches of data.batch_size are averaged, as one step on a
+    # batch N times larger would compute them (a step then draws N batches; samples/s counts all of them).
+    accumulate_grad_batches: int = ranged(1, Interval(ge=1, le=4096))
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+
+
+@dataclass
+class ExportConfig:
+    """The trained model as an inference ONNX file, <run dir>/model.onnx, checked against ONNX Runtime."""
+
+    onnx: bool = False
+    opset: int = ranged(17, Interval(ge=14, le=20))  # 17: LayerNormalization is one op; torch 2.6 exports up to 20
 
 
 @dataclass
@@ -211,6 +238,7 @@ class Config:
     scheduler: SchedulerConfig = MISSING
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
+    export: ExportConfig = field(default_factory=ExportConfig)
     seed: int = ranged(0, SEED)  # seeds python, numpy, torch, ORT and the data order
     objective: str = "eval/loss"  # the metric a sweep job returns (Optuna optimises it): see validate.objectives
 

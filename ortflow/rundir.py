@@ -237,6 +237,11 @@ class RunDir:
         if self.writes:
             checkpoint.write_atomic(weights, self.checkpoints / "final.pt")
 
+    def write_best(self, weights: dict[str, Any]) -> None:
+        """The weights of the best evaluation so far (by the run's objective), like final.pt; replaced atomically."""
+        if self.writes:
+            checkpoint.write_atomic(weights, self.checkpoints / "best.pt")
+
     def finish(self, status: str, **fields: Any) -> None:
         """Record how the run ended ("completed", "failed", "preempted") with the given fields."""
         self.record |= {"status": status, "finished": now(), **fields}

@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ortflow import accel, checkpoint, distributed, loss, terminal
+from ortflow import accel, checkpoint, distributed, export, loss, terminal
 from ortflow.accel.engine import Engine, EngineContext
 from ortflow.batch import Inputs, split_batch
 from ortflow.data import Data
@@ -92,6 +92,7 @@ def engine_context(
         onnx_dir=run_dir / "onnx" if world.is_main else run_dir / "onnx" / f"rank-{world.rank}",
         wrap=distributed.wrapper(cfg.distributed, world),
         reduce_loss=distributed.mean_across_ranks if world.size > 1 else None,
+        accumulate=cfg.trainer.accumulate_grad_batches,
     )
 
 
@@ -246,7 +247,9 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> 
             world_size=world.size,
             any_rank=distributed.any_rank,
             watch=cfg.objective,
+            on_best=None if cfg.trainer.fast_dev_run else lambda _state: run.write_best(engine.model_state_dict()),
         )
+        results["ended_by"] = metrics.pop("ended_by")
         execution = engine.describe()
         if world.size > 1:  # proof per rank: each one's own engine says what executed there
             execution["ranks_executed_by"] = distributed.gather(execution["executed_by"])
@@ -264,4 +267,6 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> 
     if not cfg.trainer.fast_dev_run:
         run.write_final(engine.model_state_dict())
     results["engine"] = execution
+    if cfg.export.onnx and world.is_main:
+        results["export"] = export.inference_onnx(model, engine.model_state_dict(), data, run.path, cfg.export.opset)
     return metrics, results

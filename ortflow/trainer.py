@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ortflow.accel.engine import Engine
 from ortflow.batch import batch_size, split_batch
-from ortflow.config import OnNonFinite, OptimConfig, SchedulerConfig, TrainerConfig
+from ortflow.config import OnNonFinite, OptimConfig, SchedulerConfig, StopMode, TrainerConfig
 from ortflow.errors import OrtflowError
 from ortflow.logger import RunLogger
 from ortflow.loss import EvalResult
@@ -43,6 +43,12 @@ class LoopState:
     metrics: dict[str, float] = field(default_factory=dict)
     best_value: float | None = None  # the best evaluation of the watched metric so far, and its step
     best_step: int = 0
+    window_grad_norm: float = 0.0  # sum of the steps' gradient norms since the last log point
+    window_grad_n: int = 0
+    stop_best: float | None = None  # early stopping: the best value of its metric, evaluations since it improved
+    stop_bad_evals: int = 0
+    stopped_early_at: int = 0  # the step early stopping ended the run at (0: it did not)
+    stopped_with_patience: int = 0
 
 
 def watched_metric(objective: str) -> tuple[str, bool]:
@@ -52,13 +58,16 @@ def watched_metric(objective: str) -> tuple[str, bool]:
     return metric, metric.endswith("accuracy")
 
 
-def _track_best(state: LoopState, step: int, evaluated: dict[str, float], watch: str) -> None:
+def _track_best(state: LoopState, step: int, evaluated: dict[str, float], watch: str) -> bool:
+    """Record a new best evaluation of the watched metric; True if this one is it."""
     metric, higher = watched_metric(watch)
     value = evaluated.get(metric)
     if value is None or not math.isfinite(value):
-        return
+        return False
     if state.best_value is None or (value > state.best_value if higher else value < state.best_value):
         state.best_value, state.best_step = value, step
+        return True
+    return False
 
 
 # Called after a step with the state; writes a checkpoint and returns its path.
@@ -129,6 +138,7 @@ def train_loop(
     world_size: int = 1,
     any_rank: Callable[[bool], bool] = bool,
     watch: str = "eval/loss",
+    on_best: Callable[[LoopState], None] | None = None,
 ) -> dict[str, Any]:
     """Run optimizer steps from state.step + 1 to trainer.max_steps; return the final metrics.
 
@@ -141,6 +151,7 @@ def train_loop(
         any_rank: whether a flag is set on any rank (all ranks then stop after the same step on SIGTERM).
         watch: the run's objective; its best evaluation (watched_metric) and that step are tracked and returned as
             best/<metric> and best/step.
+        on_best: called after an evaluation that is the best so far (writes best.pt).
 
     Raises:
         OrtflowError: the loss became NaN or infinite (the message names the step).
@@ -149,16 +160,28 @@ def train_loop(
     state = state or LoopState()
     untimed = state.step + 1  # this process's first step pays for export and session creation
     every = trainer.checkpoint.every
+    micro_count = trainer.accumulate_grad_batches
+    if micro_count > 1 and not hasattr(engine, "train_micro"):
+        raise OrtflowError(
+            f"trainer.accumulate_grad_batches={micro_count}: the engine {engine.name} cannot accumulate gradients (it "
+            "has no train_micro); set trainer.accumulate_grad_batches=1 or raise data.batch_size instead."
+        )
+    if _already_stopped(state, trainer):
+        return _final(state, trainer, watch)
     with stop_on_sigterm() as stop:
         while state.step < trainer.max_steps:
             step = state.step + 1
             lr = lr_at(step - 1, optim.lr, scheduler, trainer.max_steps)
             engine.set_lr(lr)
             seed_step(seed, step, rank)
-            inputs, targets = split_batch(next(batches))
+            micro = [split_batch(next(batches)) for _ in range(micro_count)]
             start = time.perf_counter()
-            loss = engine.train_step(inputs, targets)
+            loss = engine.train_step(*micro[0]) if micro_count == 1 else engine.train_micro(micro)
             elapsed = time.perf_counter() - start
+            grad_norm = getattr(engine, "last_grad_norm", None)
+            if grad_norm is not None and math.isfinite(loss):
+                state.window_grad_norm += grad_norm
+                state.window_grad_n += 1
             state.step = step
             if math.isfinite(loss):
                 state.skipped_in_a_row = 0
@@ -169,7 +192,7 @@ def train_loop(
                 state.first_step_s = elapsed
             else:
                 state.train_time += elapsed
-                state.samples += batch_size(inputs) * world_size
+                state.samples += sum(batch_size(inputs) for inputs, _ in micro) * world_size
 
             if step % trainer.log_every == 0 or step == trainer.max_steps:
                 point = {"train/lr": lr}
@@ -178,27 +201,87 @@ def train_loop(
                     point["train/loss"] = state.metrics["train/loss"]
                 if state.train_time > 0:
                     point["perf/samples_per_sec"] = state.samples / state.train_time
+                if state.window_grad_n:
+                    point["train/grad_norm"] = state.window_grad_norm / state.window_grad_n
                 if state.skipped_steps:
                     point["train/skipped_steps"] = state.skipped_steps
                 logger.scalars(step, point)
                 state.window_loss, state.window_n = 0.0, 0
+                state.window_grad_norm, state.window_grad_n = 0.0, 0
+            early_stop = False
             if (trainer.eval_every and step % trainer.eval_every == 0) or step == trainer.max_steps:
                 evaluated = evaluate(engine, val, trainer.eval_batches)
                 state.metrics.update(evaluated)
-                _track_best(state, step, evaluated, watch)
+                if _track_best(state, step, evaluated, watch) and on_best is not None:
+                    on_best(state)
                 logger.scalars(step, evaluated)
+                early_stop = _early_stop(state, step, evaluated, trainer)
             logger.advance(step, loss, lr)
             stopping = any_rank(stop.requested) if save is not None else False
-            if save is not None and ((every and step % every == 0) or step == trainer.max_steps or stopping):
+            last = step == trainer.max_steps or early_stop
+            if save is not None and ((every and step % every == 0) or last or stopping):
                 path = save(state)
-                if stopping and step < trainer.max_steps:
+                if stopping and not last:
                     raise Preempted(step, path)
+            if early_stop:
+                break
+    return _final(state, trainer, watch)
 
+
+def _already_stopped(state: LoopState, trainer: TrainerConfig) -> bool:
+    """A resumed run that early stopping ended stays ended unless its limits were raised (a larger patience, or
+    early stopping turned off)."""
+    if not state.stopped_early_at:
+        return False
+    rule = trainer.early_stopping
+    if rule.metric is not None and rule.patience <= state.stopped_with_patience:
+        log.warning(
+            "this run was stopped early at step %d (%s did not improve for %d evaluations); nothing to train. "
+            "Raise trainer.early_stopping.patience or set trainer.early_stopping.metric=null to train further.",
+            state.stopped_early_at,
+            rule.metric,
+            state.stopped_with_patience,
+        )
+        return True
+    state.stopped_early_at = 0  # the limits were raised: go on
+    return False
+
+
+def _early_stop(state: LoopState, step: int, evaluated: dict[str, float], trainer: TrainerConfig) -> bool:
+    """Count an evaluation against trainer.early_stopping; True when the run should stop after this step."""
+    rule = trainer.early_stopping
+    if rule.metric is None or rule.metric not in evaluated:
+        return False
+    value = evaluated[rule.metric]
+    higher = rule.mode == StopMode.max
+    improved = state.stop_best is None or (
+        value > state.stop_best + rule.min_delta if higher else value < state.stop_best - rule.min_delta
+    )
+    if improved and math.isfinite(value):
+        state.stop_best, state.stop_bad_evals = value, 0
+        return False
+    state.stop_bad_evals += 1
+    if state.stop_bad_evals < rule.patience or step == trainer.max_steps:
+        return False
+    state.stopped_early_at, state.stopped_with_patience = step, rule.patience
+    log.warning(
+        "early stopping at step %d: %s has not improved by more than %g for %d evaluations (best %.4g)",
+        step,
+        rule.metric,
+        rule.min_delta,
+        rule.patience,
+        state.stop_best,
+    )
+    return True
+
+
+def _final(state: LoopState, trainer: TrainerConfig, watch: str) -> dict[str, Any]:
     metrics: dict[str, Any] = {"train/loss": float("nan"), **state.metrics}  # nan: every step was skipped
     metrics["perf/samples_per_sec"] = state.samples / state.train_time if state.train_time > 0 else float("nan")
     metrics["perf/first_step_s"] = state.first_step_s
-    metrics["steps"] = trainer.max_steps
+    metrics["steps"] = state.step
     metrics["skipped_steps"] = state.skipped_steps
+    metrics["ended_by"] = "early_stopping" if state.stopped_early_at else "max_steps"
     if state.best_value is not None:
         metrics[f"best/{watched_metric(watch)[0]}"] = state.best_value
         metrics["best/step"] = state.best_step

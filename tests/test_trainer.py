@@ -183,3 +183,57 @@ def test_resumable_batches_refuse_empty_data_and_know_when_they_are_not_exact():
         next(ResumableBatches(empty))
     unseeded = DataLoader(TensorDataset(torch.arange(6), torch.arange(6)), batch_size=2, shuffle=True)
     assert not ResumableBatches(unseeded).exact
+
+
+class MicroEngine(FakeEngine):
+    """Also accumulates: records how many micro-batches each optimizer step got."""
+
+    def __init__(self, losses: list[float]) -> None:
+        super().__init__(losses)
+        self.micro: list[int] = []
+        self.last_grad_norm = 0.5
+
+    def train_micro(self, micro) -> float:
+        self.micro.append(len(micro))
+        self.trained += [inputs for inputs, _ in micro]
+        return next(self.losses)
+
+
+def test_accumulation_draws_n_batches_per_step_and_logs_the_grad_norm():
+    engine = MicroEngine([1.0] * 5)
+    saved = []
+    tr = trainer(max_steps=5, log_every=5, eval_every=0, accumulate_grad_batches=3, checkpoint={"every": 2})
+    _, logger = run(engine, tr, save=lambda s: saved.append(s.step) or "ckpt")
+    assert engine.micro == [3] * 5 and len(engine.trained) == 15  # 3 micro-batches for each optimizer step
+    assert saved == [2, 4, 5]  # checkpoints on optimizer-step boundaries only
+    (point,) = [values for step, values in logger.points if "train/loss" in values]
+    assert point["train/grad_norm"] == 0.5
+
+
+def test_accumulation_is_refused_for_an_engine_that_cannot_accumulate():
+    with pytest.raises(OrtflowError, match="cannot accumulate gradients"):
+        run(FakeEngine([1.0]), trainer(max_steps=1, accumulate_grad_batches=2))
+
+
+def test_early_stopping_ends_the_run_and_a_resume_does_not_train_further_unless_the_limits_rise():
+    rule = {"metric": "eval/loss", "patience": 2}
+    tr = trainer(max_steps=10, eval_every=1, early_stopping=rule)
+    states = []
+    metrics, _ = run(FakeEngine([1.0] * 10), tr, save=lambda s: states.append(s) or "ckpt")
+    # eval/loss is 2.0 every time: best at step 1, no improvement at 2 and 3 -> stopped after step 3
+    assert metrics["ended_by"] == "early_stopping" and metrics["steps"] == 3
+    assert states[-1].stopped_early_at == 3 and metrics["best/step"] == 1
+    stopped = LoopState(**{**states[-1].__dict__})
+    engine = FakeEngine([1.0] * 10)
+    metrics, _ = run(engine, trainer(max_steps=20, eval_every=1, early_stopping=rule), state=stopped)
+    assert engine.trained == [] and metrics["steps"] == 3  # raising max_steps alone does not restart it
+    engine = FakeEngine([1.0] * 10)
+    raised = trainer(max_steps=20, eval_every=1, early_stopping={**rule, "patience": 4})
+    metrics, _ = run(engine, raised, state=LoopState(**{**states[-1].__dict__}))
+    assert len(engine.trained) == 2 and metrics["steps"] == 5  # two more evaluations without improvement
+
+
+def test_min_delta_and_max_mode():
+    tr = trainer(max_steps=10, eval_every=1, early_stopping={"metric": "eval/accuracy", "mode": "max", "patience": 1})
+    metrics, _ = run(FakeEngine([1.0] * 10), tr)
+    assert metrics["steps"] == 2  # accuracy stays 0.5: no improvement at step 2

@@ -9,7 +9,7 @@ multi-process wrappers) and its own ORT session settings.
 import contextlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,14 +151,15 @@ class OutputAndLoss(nn.Module):
     """Exported when ORT has no loss block for the loss (label smoothing, a user's loss): the loss is traced into
     the graph with the model, taking the targets as the graph's last input; outputs (loss, output)."""
 
-    def __init__(self, model: nn.Module, loss: Loss, layout: Layout) -> None:
+    def __init__(self, model: nn.Module, loss: Loss, layout: Layout, scale: float = 1.0) -> None:
         super().__init__()
-        self.model, self.loss, self.layout = model, loss, layout
+        self.model, self.loss, self.layout, self.scale = model, loss, layout, scale
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         *inputs, targets = tensors
         output = self.layout.call(self.model, tuple(inputs))
-        return self.loss(output, targets), output
+        loss = self.loss(output, targets)
+        return (loss * self.scale if self.scale != 1.0 else loss), output
 
 
 def _optimizer_block(optim: OptimConfig, grad_clip: float | None):
@@ -201,12 +202,15 @@ class ArtifactsEngine:
                 "those and silently ignore the Function's own backward. Use accel=ortmodule (it runs such Functions "
                 "through torch, backward included) or accel=none."
             )
-        self.loss_block = self.loss.ort_block()
+        self.accumulate = ctx.accumulate
+        # With accumulation the exported loss is divided by the micro-batch count (ORT adds the gradients up).
+        self.loss_block = self.loss.ort_block() if self.accumulate == 1 else None
         names = [f"input_{i}" for i in range(len(example_inputs))] if len(example_inputs) > 1 else ["input"]
         if self.loss_block is not None:  # ORT's own loss block on the exported output
             exported, args, outputs = OutputForLoss(model, self.loss, self.layout), example_inputs, ["output"]
         else:  # the loss is exported with the model
-            exported, args = OutputAndLoss(model, self.loss, self.layout), (*example_inputs, example_targets)
+            scaled = OutputAndLoss(model, self.loss, self.layout, 1.0 / self.accumulate)
+            exported, args = scaled, (*example_inputs, example_targets)
             names, outputs = [*names, "targets"], ["loss", "output"]
         with compat.quiet_export(), _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export"):
             compat.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
@@ -234,6 +238,8 @@ class ArtifactsEngine:
         compat.apply_session_settings(self.options, accel.intra_op_threads, accel.allow_spinning)
         with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs"):
             self._open(onnx_dir / "checkpoint", optim.lr)
+        self.trainable = [_PREFIX + n for n, p in params.items() if p.requires_grad]
+        self.last_grad_norm: float | None = None
         self.steps = 0
         self.evals = 0
         log.info("artifacts in %s; ORT trains %d parameter tensors", onnx_dir, len(params))
@@ -257,14 +263,38 @@ class ArtifactsEngine:
         return [t.numpy() for t in (*tensors, flat_targets)]
 
     def train_step(self, inputs: Inputs, targets: torch.Tensor) -> float:
-        tensors, targets = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
+        return self.train_micro([(inputs, targets)])
+
+    def train_micro(self, micro: Sequence[tuple[Inputs, torch.Tensor]]) -> float:
+        """ORT's training API adds each micro-batch's gradients into its gradient buffers (the exported loss is
+        already divided by the micro-batch count when it is more than 1); then the norm, the step, the reset."""
+        if len(micro) != self.accumulate:
+            raise ValueError(f"this engine was built for {self.accumulate} micro-batches a step, got {len(micro)}")
         self.module.train()
-        loss, _ = self.module(*self._feeds(tensors, targets))
-        if math.isfinite(float(loss)):
+        losses = []
+        for inputs, targets in micro:
+            tensors, padded = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
+            loss, _ = self.module(*self._feeds(tensors, padded))
+            losses.append(float(loss) * self.accumulate)
+            if not math.isfinite(losses[-1]):
+                break
+        mean = sum(losses) / len(losses)
+        self.last_grad_norm = None
+        if math.isfinite(mean):
+            self.last_grad_norm = self._grad_norm()
             self.optimizer.step()
             self.steps += 1
         self.module.lazy_reset_grad()  # a non-finite loss: its gradients are dropped, the weights stay
-        return float(loss)
+        return mean
+
+    def _grad_norm(self) -> float:
+        """The global gradient norm before clipping, from ORT's gradient buffers (CheckpointState parameters'
+        `grad`), read after the backward passes and before the optimizer graph (which clips with the same norm)."""
+        total = 0.0
+        for name in self.trainable:
+            grad = np.asarray(self.state.parameters[name].grad, dtype=np.float64)
+            total += float(np.square(grad).sum())
+        return math.sqrt(total)
 
     def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
         real = targets.size(0)

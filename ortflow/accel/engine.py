@@ -34,6 +34,8 @@ class EngineContext:
         onnx_dir: where the engine may write ONNX files (inside the run dir).
         wrap: the distributed wrappers (DDP) to apply around the engine's own module, outermost last.
         reduce_loss: turns this process's loss into the global one (the mean over ranks); None for one process.
+        accumulate: micro-batches per optimizer step (trainer.accumulate_grad_batches); with more than 1 the loop
+            calls `train_micro`.
     """
 
     model: nn.Module
@@ -45,6 +47,7 @@ class EngineContext:
     onnx_dir: Path = field(default_factory=lambda: Path("onnx"))
     wrap: Callable[[nn.Module], nn.Module] = _no_wrappers
     reduce_loss: Callable[[float], float] | None = None
+    accumulate: int = 1
 
     @property
     def layout(self) -> Layout:
@@ -65,6 +68,10 @@ class Engine(Protocol):
 
         A NaN or infinite loss leaves the weights and the optimizer untouched (the step is not applied)."""
         ...
+
+    # Optional, for trainer.accumulate_grad_batches > 1:
+    #   train_micro(micro: list[(inputs, targets)]) -> float: one optimizer step over N micro-batches (the mean loss)
+    # Optional: last_grad_norm: float | None, the global gradient norm of the last step before clipping.
 
     def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
         """Loss and metric sums on one batch (Loss.sums), in eval mode, without touching the parameters."""

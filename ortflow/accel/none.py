@@ -3,7 +3,7 @@
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,19 +83,31 @@ class EagerEngine:
         self.optimizer = build_torch_optimizer(module.parameters(), optim)
         self.grad_clip = grad_clip
         self.reduce_loss = reduce_loss
+        self.last_grad_norm: float | None = None  # the global gradient norm of the last step, before clipping
 
     def train_step(self, inputs: Inputs, targets: torch.Tensor) -> float:
+        return self.train_micro([(inputs, targets)])
+
+    def train_micro(self, micro: Sequence[tuple[Inputs, torch.Tensor]]) -> float:
+        """One optimizer step over the micro-batches: each one's loss / N is backpropagated (gradients add up to
+        those of the mean loss over all of them), then the gradient norm (before clipping), clipping and the step.
+        Returns the mean loss; a non-finite one drops the step's gradients and applies nothing."""
         self.module.train()
-        loss = self.module(*self.layout.flatten(inputs), targets)
-        value = loss.item() if self.reduce_loss is None else self.reduce_loss(loss.item())
-        if not math.isfinite(value):
-            return value  # no backward, no update: the weights stay the last good ones
-        loss.backward()
-        if self.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+        losses = []
+        for inputs, targets in micro:
+            loss = self.module(*self.layout.flatten(inputs), targets)
+            value = loss.item() if self.reduce_loss is None else self.reduce_loss(loss.item())
+            losses.append(value)
+            if not math.isfinite(value):
+                self.optimizer.zero_grad(set_to_none=True)
+                self.last_grad_norm = None
+                return value  # no update: the weights stay the last good ones
+            (loss / len(micro)).backward()
+        clip = self.grad_clip if self.grad_clip is not None else math.inf
+        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return value
+        return sum(losses) / len(losses)
 
     @torch.no_grad()
     def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:

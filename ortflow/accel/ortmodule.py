@@ -10,6 +10,7 @@ are allowed, logged and recorded.
 import contextlib
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -191,10 +192,17 @@ class ORTModuleEngine:
             raise OrtflowError(message)
         log.warning(message)
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        return self.inner.last_grad_norm
+
     def train_step(self, inputs: Inputs, targets: torch.Tensor) -> float:
-        inputs, targets = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
+        return self.train_micro([(inputs, targets)])
+
+    def train_micro(self, micro: Sequence[tuple[Inputs, torch.Tensor]]) -> float:
+        padded = [pad_batch(self.layout.flatten(x), y, self.batch_size, self.loss) for x, y in micro]
         before = self.runs.snapshot()
-        loss = self._run(self.inner.train_step, inputs, targets, "train")
+        loss = self._run(lambda _x, _y: self.inner.train_micro(padded), None, None, "train")
         if not math.isfinite(loss):
             return loss  # forward only (no backward ran); the loop decides whether to stop or skip
         after = self.runs.snapshot()
