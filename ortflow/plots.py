@@ -10,9 +10,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from ortflow.metadata import flatten, read_record
 
 # matplotlib's tab10 palette without its grey (the axes' text is grey), one colour per run; a test finds each run's
@@ -72,6 +69,10 @@ def _width(index: int, runs: int) -> float:
 
 def plot_runs(run_dirs: list[Path], out: Path, title: str = "") -> Path:
     """Write the PNG comparing `run_dirs` to `out`; returns `out`."""
+    # Imported here: matplotlib builds its font cache on first import, which a training run never needs.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     records = [read_record(d) or {} for d in run_dirs]
     curves = [read_curves(d) for d in run_dirs]
     names = labels(records, run_dirs)
