@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ortflow import accel, checkpoint, distributed, export, loss, terminal
+from ortflow import accel, checkpoint, distributed, export, loss, pruning, terminal
 from ortflow.accel.engine import Engine, EngineContext
 from ortflow.batch import Inputs, split_batch
 from ortflow.data import Data
@@ -191,7 +191,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
         raise
     finally:
         distributed.stop()
-    run.finish("completed", metrics=metrics, **results)
+    run.finish("pruned" if results["ended_by"] == "pruned" else "completed", metrics=metrics, **results)
     execution = results["engine"]
     evals = ", ".join(f"{k.replace('/', ' ')} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))
     log.info(
@@ -248,6 +248,7 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> 
             any_rank=distributed.any_rank,
             watch=cfg.objective,
             on_best=None if cfg.trainer.fast_dev_run else lambda _state: run.write_best(engine.model_state_dict()),
+            prune=pruning.reporter(cfg.objective),
         )
         results["ended_by"] = metrics.pop("ended_by")
         execution = engine.describe()

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
@@ -26,7 +26,7 @@ def columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
     return (*COLUMNS[:5], *extra, *COLUMNS[5:])
 
 
-def job_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+def job_rows(sweep_dir: Path, objective: str = "eval/loss") -> list[dict[str, Any]]:
     """One row per job dir (a numbered folder with a .hydra/ inside), in job order."""
     jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()), key=_job_key)
     rows = []
@@ -43,6 +43,7 @@ def job_rows(sweep_dir: Path) -> list[dict[str, Any]]:
                 **{m: metrics.get(m) for m in EVAL_METRICS},
                 "samples/s": metrics.get("perf/samples_per_sec"),
                 "executed_by": record.get("engine", {}).get("executed_by"),
+                "objective": metrics.get(objective),
                 "error": record.get("error", ""),
             }
         )
@@ -57,8 +58,16 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else ("" if value is None else str(value))
 
 
-def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
-    rows = job_rows(sweep_dir)
+def best_row(rows: list[dict[str, Any]], objective: str, maximize: bool) -> dict[str, Any] | None:
+    """The completed job with the best objective (a pruned job never is: it stopped before the end)."""
+    done = [r for r in rows if r["status"] == "completed" and isinstance(r.get("objective"), float)]
+    if not done:
+        return None
+    return (max if maximize else min)(done, key=lambda r: r["objective"])
+
+
+def write_summary(sweep_dir: Path, objective: str = "eval/loss", maximize: bool = False) -> list[dict[str, Any]]:
+    rows = job_rows(sweep_dir, objective)
     shown = columns(rows)
     with (sweep_dir / "summary.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=shown, extrasaction="ignore")
@@ -66,6 +75,8 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
         writer.writerows(rows)
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in shown) + " |" for r in rows]
+    if best := best_row(rows, objective, maximize):
+        lines += ["", f"best: job {best['job']}, {objective} = {best['objective']:.6g} ({best['overrides']})"]
     (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
     jobs = [sweep_dir / r["job"] for r in rows if (sweep_dir / r["job"] / "metrics.jsonl").is_file()]
     if jobs:
@@ -80,7 +91,8 @@ class SweepSummary(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
-        rows = write_summary(sweep_dir)
+        maximize = OmegaConf.select(config, "hydra.sweeper.direction", default="minimize") == "maximize"
+        rows = write_summary(sweep_dir, config.objective, maximize)
         table = Table(title=f"sweep summary: {sweep_dir}")
         shown = columns(rows)[:-1]
         for column in shown:
@@ -88,7 +100,11 @@ class SweepSummary(Callback):
         for r in rows:
             table.add_row(*(_fmt(r[c]) for c in shown))
         Console(width=None if sys.stdout.isatty() else 160).print(table)
-        failed = [r for r in rows if r["status"] != "completed"]
+        if best := best_row(rows, config.objective, maximize):
+            log.info(
+                "best: job %s, %s = %.6g (%s)", best["job"], config.objective, best["objective"], best["overrides"]
+            )
+        failed = [r for r in rows if r["status"] not in ("completed", "pruned")]
         for r in failed:
             log.error("job %s (%s): %s %s", r["job"], r["overrides"], r["status"], r["error"])
         log.info(

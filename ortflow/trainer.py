@@ -49,6 +49,7 @@ class LoopState:
     stop_bad_evals: int = 0
     stopped_early_at: int = 0  # the step early stopping ended the run at (0: it did not)
     stopped_with_patience: int = 0
+    pruned_at: int = 0  # the step a sweep's pruner stopped the run at (0: it did not)
 
 
 def watched_metric(objective: str) -> tuple[str, bool]:
@@ -139,6 +140,7 @@ def train_loop(
     any_rank: Callable[[bool], bool] = bool,
     watch: str = "eval/loss",
     on_best: Callable[[LoopState], None] | None = None,
+    prune: Callable[[int, dict[str, float]], bool] | None = None,
 ) -> dict[str, Any]:
     """Run optimizer steps from state.step + 1 to trainer.max_steps; return the final metrics.
 
@@ -152,6 +154,7 @@ def train_loop(
         watch: the run's objective; its best evaluation (watched_metric) and that step are tracked and returned as
             best/<metric> and best/step.
         on_best: called after an evaluation that is the best so far (writes best.pt).
+        prune: called after each evaluation in a pruning sweep (ortflow/pruning.py); True ends the run there.
 
     Raises:
         OrtflowError: the loss became NaN or infinite (the message names the step).
@@ -216,6 +219,10 @@ def train_loop(
                     on_best(state)
                 logger.scalars(step, evaluated)
                 early_stop = _early_stop(state, step, evaluated, trainer)
+                if prune is not None and step < trainer.max_steps and prune(step, evaluated):
+                    log.info("the sweep's pruner stopped this trial at step %d", step)
+                    state.pruned_at = step
+                    early_stop = True
             logger.advance(step, loss, lr)
             stopping = any_rank(stop.requested) if save is not None else False
             last = step == trainer.max_steps or early_stop
@@ -276,12 +283,14 @@ def _early_stop(state: LoopState, step: int, evaluated: dict[str, float], traine
 
 
 def _final(state: LoopState, trainer: TrainerConfig, watch: str) -> dict[str, Any]:
+    if state.window_n:  # a run that stopped early, between two log points
+        state.metrics["train/loss"] = state.window_loss / state.window_n
     metrics: dict[str, Any] = {"train/loss": float("nan"), **state.metrics}  # nan: every step was skipped
     metrics["perf/samples_per_sec"] = state.samples / state.train_time if state.train_time > 0 else float("nan")
     metrics["perf/first_step_s"] = state.first_step_s
     metrics["steps"] = state.step
     metrics["skipped_steps"] = state.skipped_steps
-    metrics["ended_by"] = "early_stopping" if state.stopped_early_at else "max_steps"
+    metrics["ended_by"] = "pruned" if state.pruned_at else "early_stopping" if state.stopped_early_at else "max_steps"
     if state.best_value is not None:
         metrics[f"best/{watched_metric(watch)[0]}"] = state.best_value
         metrics["best/step"] = state.best_step

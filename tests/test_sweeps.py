@@ -162,3 +162,39 @@ def test_compare_prints_the_differing_keys_and_the_metrics(tmp_path, capsys):
 def test_compare_names_a_directory_without_a_run_record(tmp_path):
     with pytest.raises(SystemExit, match=r"run\.json does not exist"):
         compare([str(tmp_path), str(tmp_path)])
+
+
+OPTUNA = [
+    "+recipe=digits",
+    "+hparams_search=optuna",
+    "trainer.max_steps=60",
+    "trainer.eval_every=10",
+    "hydra.sweeper.params={optim.lr: {type: float, low: 1e-5, high: 1e-1, log: true}}",
+]
+
+
+@pytest.mark.slow
+def test_an_optuna_sweep_prunes_unpromising_trials_and_resumes(tmp_path):
+    import optuna
+
+    sweep_dir = tmp_path / "optuna"
+    result = run_cli("-m", *OPTUNA, "hydra.sweeper.n_trials=6", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = summary(sweep_dir)
+    statuses = [r["status"] for r in rows]
+    assert len(rows) == 6 and statuses.count("pruned") >= 1 and set(statuses) <= {"completed", "pruned"}, statuses
+    # A pruned trial stopped at an evaluation before the end; the study agrees with the run records.
+    pruned = [json.loads((sweep_dir / r["job"] / "run.json").read_text()) for r in rows if r["status"] == "pruned"]
+    assert all(p["ended_by"] == "pruned" and p["metrics"]["steps"] < 60 for p in pruned)
+    storage = f"sqlite:///{sweep_dir / 'optuna.db'}"
+    study = optuna.load_study(study_name="ortflow", storage=storage)
+    states = [t.state.name for t in sorted(study.trials, key=lambda t: t.number)]
+    assert states == ["COMPLETE" if s == "completed" else "PRUNED" for s in statuses]
+    best = min(float(r["eval/loss"]) for r in rows if r["status"] == "completed")
+    assert study.best_value == pytest.approx(best)
+    assert f"eval/loss = {best:.6g}" in (sweep_dir / "summary.md").read_text()
+    # The same command with more trials continues the study in the same sweep dir.
+    again = run_cli("-m", *OPTUNA, "hydra.sweeper.n_trials=8", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    finished = optuna.load_study(study_name="ortflow", storage=storage).trials
+    assert len(summary(sweep_dir)) == 8 and [t.number for t in finished] == list(range(8))
