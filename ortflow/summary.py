@@ -43,6 +43,9 @@ def summary_table(record: dict[str, Any], run_dir: Path, wall_s: float) -> Table
     table.add_column()
     style = STATUS_STYLE.get(status, "")
     table.add_row("status", f"[{style}]{status}[/{style}]" if style else status)
+    ended_by = record.get("ended_by")
+    if ended_by not in (None, "max_steps"):
+        table.add_row("ended by", f"{ended_by.replace('_', ' ')} at step {metrics.get('steps')}")
     if "train/loss" in metrics:
         table.add_row("train loss", _num(metrics["train/loss"]))
     evals = {k: v for k, v in metrics.items() if k.startswith("eval/")}
