@@ -68,6 +68,12 @@ def problems(cfg: DictConfig) -> list[str]:
             f"objective={cfg.objective!r} is not a metric this run reports (with loss {cfg.loss._target_}); choose "
             f"one of {reported}."
         )
+    stop_metric = trainer.early_stopping.metric
+    if stop_metric is not None and stop_metric not in (evals := [m for m in reported if m.startswith("eval/")]):
+        found.append(
+            f"trainer.early_stopping.metric={stop_metric!r} is not an eval metric this run reports; choose one of "
+            f"{evals} (or null to turn early stopping off)."
+        )
     found += distributed.problems(cfg.distributed)
     if trainer.resume is not None and not trainer.resume.strip():
         found.append("trainer.resume is empty; use trainer.resume=auto, a checkpoint path, or leave it out.")

@@ -8,7 +8,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.conftest import TINY, USER_ENV, custom_model, run_cli, run_dirs
 
-TAGS = {"train/loss", "train/lr", "perf/samples_per_sec", "eval/loss", "eval/accuracy", "engine/ort_executed"}
+TAGS = {
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "perf/samples_per_sec",
+    "eval/loss",
+    "eval/accuracy",
+    "engine/ort_executed",
+}
 
 
 def tensorboard(run_dir: Path) -> EventAccumulator:

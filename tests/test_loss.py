@@ -67,3 +67,9 @@ def test_the_objective_must_be_a_metric_the_loss_reports():
     found = problems(make_cfg("+recipe=regression", "objective=eval/accuracy"))
     assert any("objective='eval/accuracy'" in p and "eval/mae" in p for p in found), found
     assert problems(make_cfg("+recipe=digits", "objective=eval/accuracy")) == []
+
+
+def test_early_stopping_watches_only_an_eval_metric_the_run_reports():
+    assert problems(make_cfg("+recipe=digits", "trainer.early_stopping.metric=eval/accuracy")) == []
+    found = problems(make_cfg("+recipe=regression", "trainer.early_stopping.metric=eval/accuracy"))
+    assert any("trainer.early_stopping.metric='eval/accuracy'" in p and "eval/mae" in p for p in found), found
