@@ -30,8 +30,8 @@ train: setup
 	$(BIN)/ortflow $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check ortflow tests
-	$(BIN)/ruff format --check ortflow tests
+	$(BIN)/ruff check ortflow tests hydra_plugins
+	$(BIN)/ruff format --check ortflow tests hydra_plugins
 
 # Tests run on every core (pytest-xdist): they are independent (own tmp dirs, free ports, in-process Hydra state
 # per worker). PYTEST_ARGS="-n 0" runs them in one process.

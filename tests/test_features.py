@@ -81,3 +81,33 @@ def test_best_and_final_weights_and_the_inference_export(mode, tmp_path):
     out = tmp_path / "predict.json"
     predict([str(run_dir), "--weights", "best", "--json", str(out)])
     assert json.loads(out.read_text())["eval/loss"] == pytest.approx(metrics["best/eval/loss"], rel=1e-4)
+
+
+def test_a_resumed_accumulating_run_ends_bitwise_where_an_uninterrupted_one_does(tmp_path):
+    steps = ["accel=none", "data.batch_size=16", "trainer.accumulate_grad_batches=3", "trainer.checkpoint.every=3"]
+    steps.append("scheduler.warmup_steps=0")  # the lr schedule must not depend on max_steps here
+    _, whole = run(tmp_path, "whole", *steps, "trainer.max_steps=6")
+    run(tmp_path, "parts", *steps, "trainer.max_steps=3")
+    _, parts = run(tmp_path, "parts", *steps, "trainer.max_steps=6", "trainer.resume=auto")
+    a = torch.load(whole / "checkpoints" / "final.pt")
+    b = torch.load(parts / "checkpoints" / "final.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert points(parts, "train/loss")[-3:] == points(whole, "train/loss")[-3:]
+
+
+def test_predict_evaluates_a_text_file_and_samples_a_continuation(tmp_path, capsys):
+    from ortflow.predict import main as predict
+    from tests.conftest import TINY
+
+    run_dir = tmp_path / "lm"
+    train(make_cfg("+recipe=transformer", *TINY, "trainer.max_steps=4"), run_dir)
+    text = tmp_path / "notes.txt"
+    text.write_text("a small text file to evaluate the language model on. " * 40)
+    out = tmp_path / "text.json"
+    predict([str(run_dir), "--text", str(text), "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["split"] == f"text file {text}" and result["eval/loss"] > 0 and result["targets"] > 0
+    capsys.readouterr()
+    predict([str(run_dir), "--prompt", "The ", "--tokens", "20", "--weights", "final"])
+    sampled = capsys.readouterr().out.rstrip("\n")
+    assert sampled.startswith("The ") and len(sampled.encode(errors="replace")) >= 20

@@ -131,3 +131,26 @@ def test_compare_writes_a_png_with_one_curve_per_run_and_the_eager_difference(tm
     assert image.size == (int(2 * PANEL_SIZE[0] * DPI), int(2 * PANEL_SIZE[1] * DPI))
     assert curve_colours(png) == 2
     assert curve_colours(png, panel=(1, 1)) == 1  # the difference panel: one curve (artifacts - none)
+
+
+def test_the_summary_of_a_preempted_run_gives_the_command_that_continues_it(tmp_path):
+    from rich.console import Console
+
+    from ortflow.summary import summary_table
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step-00000040.pt").write_bytes(b"")
+    record = {
+        "status": "preempted",
+        "overrides": ["+recipe=digits", "accel=artifacts"],
+        "metrics": {"eval/loss": 0.5, "best/eval/loss": 0.4, "best/step": 30, "steps": 40},
+        "engine": {"executed_by": "onnxruntime", "ort_train_steps": 40, "ort_eval_batches": 8},
+    }
+    console = Console(width=200, record=True)
+    console.print(summary_table(record, tmp_path, 12.0))
+    text = console.export_text()
+    assert f"ortflow +recipe=digits accel=artifacts trainer.resume=auto hydra.run.dir={tmp_path}" in text
+    assert "loss 0.4000 at step 30" in text and "ORT ran 40/40 training steps, 8 eval batches" in text
+    record["status"] = "completed"
+    console.print(summary_table(record, tmp_path, 12.0))
+    assert console.export_text().count("continue with") == 0
