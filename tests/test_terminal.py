@@ -16,7 +16,6 @@ from ortflow.plots import COLORS, DPI, PANEL_SIZE
 from tests.conftest import run_cli, run_dirs
 
 FOREIGN = ("onnxruntime:Default", "GraphTransformer", "No CUDA runtime", "Warning:", "warnings.warn", "Traceback")
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 DIGITS = ["+recipe=digits", "trainer.max_steps=8", "trainer.eval_every=4", "trainer.log_every=4"]
 LINE_BUDGET = 20  # header, 2 evals, the bar, a warning, the summary table (~13 lines)
 
@@ -49,14 +48,14 @@ def run_in_pty(*args: str, cwd: Path, columns: int = 140) -> tuple[int, str]:
     return proc.wait(timeout=600), b"".join(chunks).decode(errors="replace")
 
 
-def screen_lines(raw: str) -> list[str]:
-    """The lines left on the screen: within a line, what follows the last carriage return or erase-line."""
-    lines = []
-    for line in raw.replace("\r\n", "\n").split("\n"):
-        visible = ANSI.sub("", re.split(r"\r|\x1b\[2K", line)[-1]).rstrip()
-        if visible:
-            lines.append(visible)
-    return lines
+def screen_lines(raw: str, columns: int = 140) -> list[str]:
+    """The non-blank lines left on a terminal of that width after it played `raw` (pyte, a VT100 emulator): what a
+    person sees once the run is over."""
+    import pyte
+
+    screen = pyte.Screen(columns, 400)
+    pyte.Stream(screen).feed(raw)
+    return [line.rstrip() for line in screen.display if line.strip()]
 
 
 @pytest.mark.parametrize("mode", ["none", "ortmodule", "artifacts"])
