@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from ortflow import accel
+from ortflow import accel, terminal
 from ortflow.batch import split_batch
 from ortflow.config import register_configs
 from ortflow.data.resumable import ResumableBatches
@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated accel modes (default: all)")
     parser.add_argument("--out", type=Path, help="JSON file (default outputs/check/<time>.json)")
     args = parser.parse_args(argv)
+    terminal.quiet_import("torch.utils.cpp_extension")  # its CUDA_HOME notice is not news on a CPU machine
     overrides = [o for o in args.overrides if not o.startswith("accel=")]
     try:
         report = check(overrides, max(args.steps, 2), args.modes.split(","))
