@@ -25,9 +25,11 @@ def wheel(tmp_path_factory):
 @pytest.mark.slow
 def test_wheel_contains_the_config_tree_and_recipes(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for group in ("accel/ortmodule", "model/transformer", "data/text", "recipe/transformer", "recipe/digits"):
+    groups = ("accel/ortmodule", "model/transformer", "data/text", "data/diabetes", "loss/mse", "recipe/regression")
+    for group in (*groups, "recipe/transformer", "recipe/digits", "hydra/job_logging/ortflow"):
         assert f"ortflow/conf/{group}.yaml" in names
     assert "ortflow/conf/config.yaml" in names
+    assert "hydra_plugins/ortflow_optuna/sweeper.py" in names  # the Optuna sweeper, where Hydra looks for it
 
 
 @pytest.mark.slow
@@ -48,6 +50,15 @@ def test_installed_package_composes_configs_outside_the_checkout(wheel, tmp_path
     )
     assert result.returncode == 0, result.stderr
     assert "build_mlp" in result.stdout
+    optuna = subprocess.run(
+        [sys.executable, "-m", "ortflow", "+recipe=digits", "+hparams_search=optuna", "--cfg", "hydra"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+    )
+    assert optuna.returncode == 0, optuna.stderr
+    assert "hydra_plugins.ortflow_optuna.sweeper.OptunaSweeper" in optuna.stdout
 
 
 def test_ortmodule_extensions_are_built_and_not_rebuilt():
