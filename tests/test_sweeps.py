@@ -193,8 +193,12 @@ def test_an_optuna_sweep_prunes_unpromising_trials_and_resumes(tmp_path):
     best = min(float(r["eval/loss"]) for r in rows if r["status"] == "completed")
     assert study.best_value == pytest.approx(best)
     assert f"eval/loss = {best:.6g}" in (sweep_dir / "summary.md").read_text()
-    # The same command with more trials continues the study in the same sweep dir.
+    # An interrupted run of the sweep leaves a trial running; the same command again (here with more trials) marks
+    # it failed and continues the study in the same sweep dir until 8 trials have finished.
+    study.ask()
     again = run_cli("-m", *OPTUNA, "hydra.sweeper.n_trials=8", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    finished = optuna.load_study(study_name="ortflow", storage=storage).trials
-    assert len(summary(sweep_dir)) == 8 and [t.number for t in finished] == list(range(8))
+    trials = sorted(optuna.load_study(study_name="ortflow", storage=storage).trials, key=lambda t: t.number)
+    assert [t.state.name for t in trials][6] == "FAIL" and len(trials) == 9
+    assert sum(t.state.name in ("COMPLETE", "PRUNED") for t in trials) == 8
+    assert [r["job"] for r in summary(sweep_dir)] == ["0", "1", "2", "3", "4", "5", "7", "8"]
