@@ -73,9 +73,12 @@ def now() -> str:
 def start_record(config: dict[str, Any], overrides: list[str], seed: int) -> dict[str, Any]:
     """Everything known before training starts (and, when a run goes ahead on versions outside what the ORT
     engines were tested with, which ones)."""
+    from ortflow.accel import compat_cpp, compat_torch
     from ortflow.accel.compat import untested_versions
 
     untested = untested_versions()
+    # The compatibility patches the ORT engines apply on this torch (ortflow/accel/compat_torch.py, compat_cpp.py).
+    patches = [patch.name for patch in [*compat_torch.needed(), *compat_cpp.needed()]]
     return ({"untested_versions": untested} if untested else {}) | {
         "status": "running",
         "started": now(),
@@ -86,6 +89,7 @@ def start_record(config: dict[str, Any], overrides: list[str], seed: int) -> dic
         "seed": seed,
         "host": host(),
         "versions": versions(),
+        "torch_patches": patches,
         "config": config,
     }
 

@@ -21,13 +21,15 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
+from ortflow.accel import compat_torch
+
 log = logging.getLogger(__name__)
 
 # ORT 1.19 reads ONNX IR <= 10, and its gradient builder mishandles LayerNormalization at opset 17.
 MAX_ARTIFACTS_OPSET = 16
 
 # The versions this module's patches were written for and tested with: (lowest, highest) major.minor, inclusive.
-SUPPORTED = {"torch": ((2, 4), (2, 6)), "onnxruntime-training": ((1, 19), (1, 19)), "onnx": ((1, 16), (1, 16))}
+SUPPORTED = {"torch": ((2, 6), (2, 14)), "onnxruntime-training": ((1, 19), (1, 19)), "onnx": ((1, 16), (1, 16))}
 # Set to 1 to run on versions outside SUPPORTED anyway (run.json then records "untested_versions").
 ALLOW_UNTESTED = "ORTFLOW_ALLOW_UNTESTED_VERSIONS"
 
@@ -56,6 +58,13 @@ def untested_versions() -> dict[str, str]:
     return found
 
 
+def prepare() -> list[str]:
+    """Before any ORT import or export: refuse untested versions (`require_supported_versions`), then apply the
+    Python-side patches the installed torch needs (compat_torch). Returns the names of those patches."""
+    require_supported_versions()
+    return compat_torch.apply()
+
+
 def require_supported_versions() -> None:
     """Refuse, in one paragraph, a torch / onnxruntime-training / onnx combination these patches were not written
     for (unless ORTFLOW_ALLOW_UNTESTED_VERSIONS=1): a patch that silently stops applying would train wrongly or
@@ -76,7 +85,7 @@ def require_supported_versions() -> None:
         + ", ".join(span(p) for p in SUPPORTED)
         + "; installed: "
         + ", ".join(f"{p} {v}" for p, v in installed_versions().items())
-        + f" ({', '.join(untested)} outside that range). Install the pinned stack (pip install -e . in a fresh "
+        + f" ({', '.join(untested)} outside that range). Install a supported stack (pip install -e . in a fresh "
         f"venv), use accel=none, or set {ALLOW_UNTESTED}=1 to try anyway (run.json then records it)."
     )
 
@@ -108,6 +117,7 @@ def export_training_onnx(
         do_constant_folding=False,
         training=torch.onnx.TrainingMode.TRAINING,
         opset_version=opset,
+        dynamo=False,  # the TorchScript exporter: the default from torch 2.9 on is the torch.export-based one
     )
 
 
@@ -255,7 +265,7 @@ def patch_ortmodule() -> None:
     global _patched
     if _patched:
         return
-    require_supported_versions()
+    prepare()
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
     from onnxruntime.training.ortmodule import _execution_agent
     from onnxruntime.training.ortmodule._graph_execution_manager import GraphExecutionManager
@@ -268,7 +278,8 @@ def patch_ortmodule() -> None:
     get_exported = GraphTransitionManager._get_exported_model
 
     def get_exported_with_masks(*args, **kwargs):
-        exported_model, output_schema = get_exported(*args, **kwargs)
+        with compat_torch.exporting():
+            exported_model, output_schema = get_exported(*args, **kwargs)
         scope = _ACTIVE.get()
         fixes = prepare_training_graph(exported_model, scope.settings.rewrite_gathers if scope else True)
         if scope is not None:
