@@ -1,9 +1,14 @@
 """compat.py knows the versions it was written for: an unknown combination is refused in one paragraph (before any
 patch or export), unless the documented override is set."""
 
-import pytest
+import inspect
+import json
+import shutil
 
-from ortflow.accel import compat
+import pytest
+import torch
+
+from ortflow.accel import compat, compat_cpp, compat_torch, extensions
 from ortflow.errors import OrtflowError
 
 
@@ -12,7 +17,7 @@ def test_the_installed_stack_is_supported():
     compat.require_supported_versions()
 
 
-@pytest.mark.parametrize("torch_version", ["2.3.1", "2.7.0+cpu", "3.0.0"])
+@pytest.mark.parametrize("torch_version", ["2.5.1", "2.15.0+cpu", "3.0.0"])
 def test_an_unknown_torch_is_refused_naming_installed_and_supported(monkeypatch, torch_version):
     installed = {**compat.installed_versions(), "torch": torch_version}
     monkeypatch.setattr(compat, "installed_versions", lambda: installed)
@@ -20,8 +25,89 @@ def test_an_unknown_torch_is_refused_naming_installed_and_supported(monkeypatch,
     with pytest.raises(OrtflowError) as refused:
         compat.require_supported_versions()
     message = str(refused.value)
-    assert f"torch {torch_version}" in message and "torch 2.4 to 2.6" in message and compat.ALLOW_UNTESTED in message
+    assert f"torch {torch_version}" in message and "torch 2.6 to 2.14" in message and compat.ALLOW_UNTESTED in message
     assert "\n" not in message
     monkeypatch.setenv(compat.ALLOW_UNTESTED, "1")
     compat.require_supported_versions()  # the override lets a user try anyway
     assert compat.untested_versions() == {"torch": torch_version}
+
+
+# ------------------------------------------------------------------------------ patches keyed on the torch version
+def test_patches_are_keyed_on_the_torch_version():
+    assert compat_torch.needed((2, 6)) == [] and compat_torch.needed((2, 8)) == []  # the Python side broke in 2.9
+    assert compat_torch.needed((2, 9)) == list(compat_torch.PATCHES)
+    assert [patch.name for patch in compat_cpp.needed((2, 6))] == ["dirty_inputs_by_grad_fn"]  # ORT's own bug
+    assert compat_cpp.needed((2, 7)) == compat_cpp.needed((2, 14)) == list(compat_cpp.PATCHES)
+    for patch in [*compat_torch.PATCHES, *compat_cpp.PATCHES]:
+        assert patch.reason and "\n" not in patch.reason
+
+
+def test_the_installed_torch_gets_exactly_the_python_patches_it_needs():
+    applied = compat.prepare()
+    assert applied == [patch.name for patch in compat_torch.needed()]
+    from onnxruntime.training.ortmodule import ORTModule  # imports only with those patches on torch >= 2.9
+
+    assert ORTModule is not None
+
+
+def test_source_patches_apply_to_ort_1_19_2_sources(tmp_path):
+    pristine = extensions.extensions_dir() / "cpu"
+    for version, expected in (((2, 6), ["dirty_inputs_by_grad_fn"]), ((2, 14), [p.name for p in compat_cpp.PATCHES])):
+        cpu = tmp_path / f"{version[0]}.{version[1]}"
+        shutil.copytree(pristine, cpu)
+        assert compat_cpp.apply(cpu, version) == expected
+    new = (tmp_path / "2.14" / "torch_interop_utils" / "custom_function_fw.cc").read_text()
+    old = (tmp_path / "2.6" / "torch_interop_utils" / "custom_function_fw.cc").read_text()
+    assert old != (pristine / "torch_interop_utils" / "custom_function_fw.cc").read_text()
+    assert (tmp_path / "2.6" / "torch_interop_utils" / "setup.py").read_text() == (
+        pristine / "torch_interop_utils" / "setup.py"
+    ).read_text()
+    assert "dynamic_cast<torch::autograd::PyNode*>" in old and "PyNode*>" not in new
+    assert "torch::utils::tensor_fromDLPack(" not in new and "cdata.lock()" not in new
+
+
+def test_a_source_the_patches_do_not_fit_stops_the_build_naming_the_patch(tmp_path):
+    cpu = tmp_path / "cpu"
+    shutil.copytree(extensions.extensions_dir() / "cpu", cpu)
+    setup = cpu / "torch_interop_utils" / "setup.py"
+    setup.write_text(setup.read_text().replace('"-std=c++17"', '"-std=c++14"'))
+    with pytest.raises(OrtflowError, match=r"patch 'cxx20'.*onnxruntime-training 1\.19\.2"):
+        compat_cpp.apply(cpu, (2, 14))
+
+
+def test_ortmodule_export_defaults_to_the_torchscript_exporter_only_inside_ortmodule(monkeypatch):
+    calls = []
+
+    def export(model, args, f, *, dynamo=None, opset_version=None):
+        calls.append(dynamo)
+
+    monkeypatch.setattr(torch.onnx, "export", export)
+    compat_torch._torchscript_export_for_ort()
+    torch.onnx.export(None, (), "a.onnx")
+    with compat_torch.exporting():
+        torch.onnx.export(None, (), "b.onnx")
+        torch.onnx.export(None, (), "c.onnx", dynamo=True)  # an explicit choice is kept
+    assert calls == [None, False, True]
+    assert inspect.signature(torch.onnx.export) == inspect.signature(export)  # ORT inspects the signature
+
+
+def test_extensions_built_for_another_torch_are_rebuilt(tmp_path):
+    assert not extensions.is_built(tmp_path)
+    (tmp_path / "torch_interop_utils.so").write_bytes(b"")
+    assert extensions.is_built(tmp_path) == (not compat_cpp.needed())  # ORT's installer: no record
+    (tmp_path / extensions.RECORD).write_text(json.dumps({"torch": "2.0.0", "patches": []}))
+    assert not extensions.is_built(tmp_path)
+    patches = [patch.name for patch in compat_cpp.needed()]
+    (tmp_path / extensions.RECORD).write_text(json.dumps({"torch": torch.__version__, "patches": patches[:-1]}))
+    assert not extensions.is_built(tmp_path)  # built before ortflow carried its latest patch
+    (tmp_path / extensions.RECORD).write_text(json.dumps({"torch": torch.__version__, "patches": patches}))
+    assert extensions.is_built(tmp_path)
+
+
+def test_the_installed_extensions_were_built_for_this_torch_with_its_patches():
+    record = extensions.build_record()
+    if record is None:  # built by ORT's own installer (torch 2.6, before ortflow kept a record)
+        assert not compat_cpp.needed()
+    else:
+        assert record == {"torch": torch.__version__, "patches": [patch.name for patch in compat_cpp.needed()]}
+    assert extensions.is_built()
