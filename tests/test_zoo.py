@@ -22,6 +22,7 @@ ZOO = {
     "tied_embeddings": (TEXT, {}),
     "frozen_submodule": (TEXT, {}),
     "custom_function": (TEXT, {"artifacts": "torch.autograd.Function ScaledTanh"}),
+    "inplace_function": (TEXT, {"artifacts": "torch.autograd.Function DoubleInPlace"}),
     "buffers": (TEXT, {}),
     "two_inputs": (MASKED, {}),
     "dict_inputs": ([*MASKED, "+data.as_dict=true"], {}),

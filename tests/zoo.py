@@ -123,6 +123,37 @@ def custom_function() -> nn.Module:
     return WithCustomFunction()
 
 
+class DoubleInPlace(torch.autograd.Function):
+    """A custom Function that modifies its input in place (ctx.mark_dirty) and returns a second, non-differentiable
+    output: the case whose dirty-tensor bookkeeping changed in newer torch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        sign = torch.sign(x)
+        ctx.mark_non_differentiable(sign)
+        return x, sign
+
+    @staticmethod
+    def backward(ctx, grad, _grad_sign):
+        return grad * 2
+
+
+class WithInPlaceFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(256, 16), nn.Linear(16, 256)
+
+    def forward(self, tokens):
+        doubled, sign = DoubleInPlace.apply(self.embedding(tokens) + 0)
+        return self.head(torch.tanh(doubled) + 0.1 * sign)
+
+
+def inplace_function() -> nn.Module:
+    return WithInPlaceFunction()
+
+
 class WithBuffers(nn.Module):
     """A registered buffer (a fixed sinusoidal position table) used in forward."""
 
