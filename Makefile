@@ -3,8 +3,15 @@
 #   make train ARGS="+recipe=digits accel=artifacts"
 #   make test                        # lint + the whole test suite
 #   make test-fast                   # lint + the fast tier (-m 'not slow', ~2 minutes)
+#   make test-range                  # the ORT engine tests on the other end of the torch range, in its own venv
 PYTHON ?= python3
+# torch: the default end of the supported range in .venv; the other end in .venv-torch<version> (make test-range).
+TORCH ?= 2.14.1
+RANGE_TORCH ?= 2.6.0
 VENV ?= .venv
+# What test-range runs on the other end: every engine, parity, resume, custom-Function and distributed test.
+RANGE_TESTS ?= tests/test_compat.py tests/test_engines.py tests/test_zoo.py tests/test_resume.py \
+	tests/test_distributed.py tests/test_graph_fixes.py tests/test_features.py
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ortflow-installed
 ARGS ?= +recipe=transformer accel=ortmodule
@@ -12,14 +19,14 @@ PYTEST_ARGS ?=
 # The ninja wheel (used by the one-time extension build) installs into the venv.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup train test test-fast lint
+.PHONY: setup train test test-fast test-range lint
 
 # Install the pinned stack and ortflow (editable). Redone only when pyproject.toml changes.
 $(STAMP): pyproject.toml
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "ortflow needs Python >= 3.11 (set PYTHON=...)")'
+	@$(PYTHON) -c 'import sys; sys.exit(0 if (3, 11) <= sys.version_info[:2] <= (3, 12) else "ortflow needs Python 3.11 or 3.12: onnxruntime-training 1.19.2 has no wheels for others (set PYTHON=python3.12, ...)")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install -e ".[dev]"
+	$(BIN)/python -m pip install -e ".[dev]" "torch==$(TORCH)"
 	touch $@
 
 # ORTModule's C++ extensions: built once per environment (2-5 min), skipped when present.
@@ -40,3 +47,8 @@ test: setup lint
 
 test-fast: setup lint
 	$(BIN)/python -m pytest -n auto -m "not slow" $(PYTEST_ARGS)
+
+# The other end of the torch range: its own venv (set up like .venv, extensions included), the engine tests.
+test-range: lint
+	$(MAKE) VENV=.venv-torch$(RANGE_TORCH) TORCH=$(RANGE_TORCH) setup
+	PATH=$(abspath .venv-torch$(RANGE_TORCH))/bin:$$PATH .venv-torch$(RANGE_TORCH)/bin/python -m pytest -n auto $(RANGE_TESTS) $(PYTEST_ARGS)

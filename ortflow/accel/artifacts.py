@@ -180,7 +180,7 @@ class ArtifactsEngine:
 
     def __init__(self, ctx: EngineContext, accel: Settings) -> None:
         """ctx.model's current weights become the initial weights; ctx.example's shape is the one ORT trains on."""
-        compat.require_supported_versions()
+        compat.prepare()
         import onnxruntime
         from onnxruntime.training import artifacts
 
