@@ -25,12 +25,18 @@ def torch_version() -> Version:
     return int(parts[0]), int(parts[1])
 
 
+def cpu_only_build() -> bool:
+    """A torch built without CUDA or ROCm (e.g. from PyTorch's CPU wheel index)."""
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+
+
 @dataclass(frozen=True)
 class Patch:
     name: str
     since: Version  # first torch major.minor that needs it
     reason: str
     apply: Callable[[], None]
+    cpu_builds_only: bool = False  # needed only by a torch built without CUDA/ROCm
 
 
 # Set while ORTModule exports a model (see `exporting`): only its export call gets `dynamo=False` by default.
@@ -78,6 +84,13 @@ def _torchscript_export_for_ort() -> None:
     torch.onnx.export = export
 
 
+def _no_nvtx_ranges() -> None:
+    from onnxruntime.training.utils import torch_profile_utils
+
+    torch_profile_utils.torch_nvtx_range_push = lambda message: None
+    torch_profile_utils.torch_nvtx_range_pop = lambda: None
+
+
 PATCHES = (
     Patch(
         "alias_moved_onnx_modules",
@@ -99,13 +112,22 @@ PATCHES = (
         "one (dynamo=False)",
         _torchscript_export_for_ort,
     ),
+    Patch(
+        "no_nvtx_ranges_on_cpu_builds",
+        (2, 6),
+        "a CPU-only torch's torch.cuda.nvtx.range_push raises ('NVTX functions not installed'); ORTModule marks "
+        "its steps with NVTX ranges",
+        _no_nvtx_ranges,
+        cpu_builds_only=True,
+    ),
 )
 
 
-def needed(version: Version | None = None) -> list[Patch]:
-    """The patches the given (default: installed) torch needs."""
+def needed(version: Version | None = None, cpu_only: bool | None = None) -> list[Patch]:
+    """The patches the given (default: installed) torch version and build need."""
     version = version or torch_version()
-    return [patch for patch in PATCHES if version >= patch.since]
+    cpu_only = cpu_only_build() if cpu_only is None else cpu_only
+    return [patch for patch in PATCHES if version >= patch.since and (cpu_only or not patch.cpu_builds_only)]
 
 
 def apply() -> list[str]:
