@@ -34,14 +34,6 @@ SUPPORTED = {"torch": ((2, 6), (2, 14)), "onnxruntime-training": ((1, 19), (1, 1
 ALLOW_UNTESTED = "ORTFLOW_ALLOW_UNTESTED_VERSIONS"
 
 
-def _major_minor(version: str) -> tuple[int, int]:
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return (0, 0)
-
-
 def installed_versions() -> dict[str, str]:
     import onnxruntime
 
@@ -53,7 +45,7 @@ def untested_versions() -> dict[str, str]:
     found = {}
     for package, version in installed_versions().items():
         low, high = SUPPORTED[package]
-        if not low <= _major_minor(version) <= high:
+        if not low <= compat_torch.major_minor(version) <= high:
             found[package] = version
     return found
 

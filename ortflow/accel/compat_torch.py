@@ -20,9 +20,17 @@ import torch
 Version = tuple[int, int]
 
 
+def major_minor(version: str) -> Version:
+    """'2.14.1+cpu' -> (2, 14); (0, 0) for a version string it cannot read."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
 def torch_version() -> Version:
-    parts = torch.__version__.split("+")[0].split(".")
-    return int(parts[0]), int(parts[1])
+    return major_minor(torch.__version__)
 
 
 def cpu_only_build() -> bool:
