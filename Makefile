@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -e ".[dev]" "torch==$(TORCH)"
 	touch $@
 
-# ORTModule's C++ extensions: built once per environment (2-5 min), skipped when present.
+# ORTModule's C++ extensions: built once per environment (4-10 min on 2 cores), skipped when present.
 setup: $(STAMP)
 	$(BIN)/python -m ortflow.accel.extensions
 

@@ -113,7 +113,7 @@ def ensure_built() -> bool:
             return False
         print(
             "ortflow: building ORTModule's C++ extensions once for this environment "
-            f"(2-5 minutes, into {directory}) ...",
+            f"(4-10 minutes on 2 cores, into {directory}) ...",
             file=sys.stderr,
             flush=True,
         )
