@@ -36,27 +36,17 @@ def test_wheel_contains_the_config_tree_and_recipes(wheel):
 def test_installed_package_composes_configs_outside_the_checkout(wheel, tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = "import ortflow.paths as p; print(p.config_dir())"
-    where = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site)}, capture_output=True, text=True
-    )
+
+    def installed(*args: str) -> subprocess.CompletedProcess:  # Python with only the unpacked wheel on its path
+        env = {"PYTHONPATH": str(site)}
+        return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+
+    where = installed("-c", "import ortflow.paths as p; print(p.config_dir())")
     assert where.stdout.strip() == str(site / "ortflow" / "conf")
-    result = subprocess.run(
-        [sys.executable, "-m", "ortflow", "+recipe=digits", "--cfg", "job"],
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(site)},
-        capture_output=True,
-        text=True,
-    )
+    result = installed("-m", "ortflow", "+recipe=digits", "--cfg", "job")
     assert result.returncode == 0, result.stderr
     assert "build_mlp" in result.stdout
-    optuna = subprocess.run(
-        [sys.executable, "-m", "ortflow", "+recipe=digits", "+hparams_search=optuna", "--cfg", "hydra"],
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(site)},
-        capture_output=True,
-        text=True,
-    )
+    optuna = installed("-m", "ortflow", "+recipe=digits", "+hparams_search=optuna", "--cfg", "hydra")
     assert optuna.returncode == 0, optuna.stderr
     assert "hydra_plugins.ortflow_optuna.sweeper.OptunaSweeper" in optuna.stdout
 
