@@ -176,8 +176,9 @@ def train_loop(
             step = state.step + 1
             lr = lr_at(step - 1, optim.lr, scheduler, trainer.max_steps)
             engine.set_lr(lr)
-            seed_step(seed, step, rank)
             micro = [split_batch(next(batches)) for _ in range(micro_count)]
+            # After the batches: a fresh loader iterator (a resumed run's first step) may draw from torch's generator.
+            seed_step(seed, step, rank)
             start = time.perf_counter()
             loss = engine.train_step(*micro[0]) if micro_count == 1 else engine.train_micro(micro)
             elapsed = time.perf_counter() - start
