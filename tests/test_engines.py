@@ -94,9 +94,9 @@ def test_eval_with_a_partial_last_batch_matches_eager_and_keeps_training_in_ort(
     val = torch.utils.data.DataLoader(torch.utils.data.Subset(data.val.dataset, range(13)), batch_size=8)
     eager = make_engine("eager", 0.1, batches[0], tmp_path / "e")
     engine = make_engine(kind, 0.1, batches[0], tmp_path / kind)
-    for e in (eager, engine):
-        e.train_step(*batches[0])
-    expected, got = evaluate(eager, val, None), evaluate(engine, val, None)
+    engine.train_step(*batches[0])  # ORT's training graph first, then evaluation, from the same weights as eager
+    eager.model.load_state_dict(engine.model_state_dict())
+    expected, got = evaluate(eager, val, None), evaluate(engine, val, None)  # dropout on in the model: off in eval
     assert got["eval/loss"] == pytest.approx(expected["eval/loss"], rel=1e-4)
     assert got["eval/accuracy"] == pytest.approx(expected["eval/accuracy"], abs=1e-9)
     # Training after eval still runs in ORT (torch's fast path would have pushed ORTModule onto PyTorch).
@@ -189,3 +189,97 @@ def test_a_short_training_batch_is_refused_for_a_loss_without_padding_targets():
     x, y = torch.zeros(5, 3), torch.zeros(5, 1)
     with pytest.raises(OrtflowError, match="fewer than the batch size 8"):
         pad_batch((x,), y, 8, MSE())
+
+
+# Every speed rewrite off (the graph ORT differentiates as exported) against the defaults (all on).
+REWRITES_OFF = {
+    "rewrite_gathers": False,
+    "rewrite_relu": False,
+    "rewrite_embedding_max_vocab": 0,
+    "rewrite_dropout": False,
+}
+
+
+def test_artifacts_rewrites_keep_the_loss_and_every_gradient(batches, tmp_path):
+    plain = make_engine("artifacts", 0.0, batches[0], tmp_path / "plain", **REWRITES_OFF)
+    rewritten = make_engine("artifacts", 0.0, batches[0], tmp_path / "rewritten")
+    assert "relu_to_mask_mul" not in plain.describe()["graph_fixes"]
+    fixes = rewritten.describe()["graph_fixes"]
+    assert fixes["relu_to_mask_mul"] == 2 and fixes["embedding_to_onehot_matmul"] == 1  # one per layer; the embedding
+    # q/k/v per layer; 3 dropouts per layer (the attention-weights dropouts, ratio 0, are inference-mode identities)
+    assert fixes["constant_gathers_to_slices"] == 6 and fixes["dropout_to_mask_inputs"] == 6
+    for x, y in batches[:3]:
+        loss, grads = plain.gradients(x, y)
+        loss_rewritten, grads_rewritten = rewritten.gradients(x, y)
+        assert loss_rewritten == pytest.approx(loss, rel=1e-6)
+        assert grads_rewritten.keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grads_rewritten[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_ortmodule_relu_rewrite_keeps_the_losses(batches, tmp_path):
+    plain = make_engine("ortmodule", 0.0, batches[0], tmp_path / "plain", rewrite_relu=False)
+    rewritten = make_engine("ortmodule", 0.0, batches[0], tmp_path / "rewritten")
+    assert torch.tensor(losses(rewritten, batches)) == pytest.approx(torch.tensor(losses(plain, batches)), rel=1e-6)
+    assert "relu_to_mask_mul" not in plain.describe()["graph_fixes"]
+    assert rewritten.describe()["graph_fixes"]["relu_to_mask_mul"] == 2
+    assert rewritten.describe()["executed_by"] == "onnxruntime"
+
+
+def test_artifacts_dropout_masks_follow_the_torch_seed(batches, tmp_path):
+    """With rewrite_dropout the masks are seeded from torch's RNG: the same seed gives the same losses with dropout
+    on, another seed other masks; both train close to eager (the dropout distribution is torch's)."""
+    engine = make_engine("artifacts", 0.1, batches[0], tmp_path / "a")
+    again = make_engine("artifacts", 0.1, batches[0], tmp_path / "b")
+    eager = make_engine("eager", 0.1, batches[0], tmp_path / "e")
+    torch.manual_seed(5)
+    got = losses(engine, batches)
+    torch.manual_seed(5)
+    assert losses(again, batches) == got
+    torch.manual_seed(6)
+    other = losses(make_engine("artifacts", 0.1, batches[0], tmp_path / "c"), batches)
+    assert other != got
+    expected = losses(eager, batches)
+    assert abs(sum(got) - sum(expected)) / sum(expected) < RTOL_DROPOUT_MEAN
+
+
+def test_ortmodule_fed_dropout_masks_give_eager_pytorchs_loss_and_gradients(batches, tmp_path):
+    """ORTModule with rewrite_dropout runs `x * mask` on masks it is fed: with the same masks, eager PyTorch's
+    loss and gradients. (Attention-weights dropout, inside scaled_dot_product_attention, stays ORT's own Dropout,
+    with its own random numbers: off here so that the two runs are comparable.)"""
+    import copy
+
+    from ortflow.accel import compat, fed_dropout
+    from ortflow.accel.rewrites import draw_masks
+
+    model = tiny_model(0.1)
+    for layer in model.transformer.layers:
+        layer.self_attn.dropout = 0.0
+    reference = copy.deepcopy(model)
+    engine = make_engine("ortmodule", 0.1, batches[0], tmp_path, model=model)
+    assert engine.describe()["graph_fixes"]["dropout_to_mask_inputs"] == 6  # dropout, dropout1, dropout2 per layer
+    ref = fed_dropout.WithLossAndMasks(WithLoss(reference, CrossEntropy(), Layout(1)), engine.masks).train()
+    for seed, (x, y) in enumerate(batches[:2]):
+        masks = [torch.from_numpy(m) for m in draw_masks(engine.masks, seed=seed)]
+        assert any((m == 0).any() for m in masks)
+        with compat.ortmodule_scope(engine.session, engine.runs, engine.graph_fixes):
+            engine.module.train()
+            loss = engine.module(x, *masks, y)
+            loss.backward()
+        expected = ref(x, *masks, y)
+        expected.backward()
+        assert float(loss) == pytest.approx(float(expected), rel=RTOL_ORTMODULE)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+            p.grad, q.grad = None, None
+    assert engine.runs.snapshot()[:2] == (2, 2)  # ORT ran both forwards and backwards
+
+
+def test_ortmodule_dropout_masks_follow_the_torch_seed(batches, tmp_path):
+    runs = []
+    for seed, name in [(5, "a"), (5, "b"), (6, "c")]:
+        engine = make_engine("ortmodule", 0.1, batches[0], tmp_path / name)
+        torch.manual_seed(seed)
+        runs.append(losses(engine, batches))
+        assert engine.describe()["executed_by"] == "onnxruntime"
+    assert runs[0] == runs[1] and runs[0] != runs[2]

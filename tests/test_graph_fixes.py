@@ -1,11 +1,23 @@
-"""The ONNX graph fixes ortflow applies before ORT builds gradients keep the forward result unchanged."""
+"""The ONNX graph fixes and speed rewrites ortflow applies before ORT builds gradients keep the forward result and
+the gradients unchanged; the dropout masks the engine draws keep dropout's distribution."""
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.accel.compat import add_dropout_masks, constant_gathers_to_slices
+from ortflow.accel.rewrites import (
+    DropoutMask,
+    add_dropout_masks,
+    attention_dropout_in_training_mode,
+    constant_gathers_to_slices,
+    draw_masks,
+    dropout_to_mask_inputs,
+    relu_to_mask_mul,
+    small_embeddings_to_onehot_matmul,
+)
 
 
 def run(model: onnx.ModelProto, feeds: dict) -> list:
@@ -53,3 +65,93 @@ def test_dropout_gets_its_mask_output_and_the_same_forward():
     assert add_dropout_masks(model) == 1 and add_dropout_masks(model) == 0
     assert list(model.graph.node[0].output) == ["y", "drop_mask"]
     np.testing.assert_array_equal(run(model, feeds)[0], expected[0])  # inference-mode dropout is identity
+
+
+def one_node_model(node: onnx.NodeProto, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    graph = helper.make_graph([node], "g", inputs, outputs, initializer=list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+
+
+def test_relu_becomes_a_mask_multiply_with_identical_results():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 50])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 50])
+    model = one_node_model(helper.make_node("Relu", ["x"], ["y"]), [x], [y])
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 50)).astype(np.float32)}
+    feeds["x"][0, :10] = 0.0  # relu's kink
+    expected = run(model, feeds)
+    assert relu_to_mask_mul(model) == 1
+    onnx.checker.check_model(model)
+    assert "Relu" not in [n.op_type for n in model.graph.node]
+    np.testing.assert_array_equal(run(model, feeds)[0], expected[0])
+
+
+def test_a_small_embedding_becomes_a_onehot_matmul_with_identical_results():
+    weight = np.random.default_rng(1).standard_normal((10, 6)).astype(np.float32)
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [3, 5])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5, 6])
+    node = helper.make_node("Gather", ["weight", "ids"], ["y"])
+    model = one_node_model(node, [ids], [y], [numpy_helper.from_array(weight, "weight")])
+    feeds = {"ids": np.random.default_rng(2).integers(0, 10, (3, 5))}
+    expected = run(model, feeds)
+    assert small_embeddings_to_onehot_matmul(model, max_vocab=9) == 0  # a vocabulary above the limit stays
+    assert small_embeddings_to_onehot_matmul(model, max_vocab=10) == 1
+    onnx.checker.check_model(model)
+    assert [n.op_type for n in model.graph.node if n.op_type != "Constant"] == ["OneHot", "MatMul"]
+    np.testing.assert_array_equal(run(model, feeds)[0], expected[0])
+
+
+def dropout_model(ratio: float, training: bool) -> onnx.ModelProto:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])
+    nodes = [
+        helper.make_node("Constant", [], ["ratio"], value=numpy_helper.from_array(np.array(ratio, np.float32))),
+        helper.make_node("Constant", [], ["training"], value=numpy_helper.from_array(np.array(training))),
+        helper.make_node("Dropout", ["x", "ratio", "training"], ["y"], name="drop"),
+    ]
+    return helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 16)])
+
+
+def test_training_dropout_becomes_a_multiply_by_a_mask_input():
+    assert dropout_to_mask_inputs(dropout_model(0.25, training=False)) == []  # inference-mode dropout stays
+    model = dropout_model(0.25, training=True)
+    masks = dropout_to_mask_inputs(model)
+    assert masks == [DropoutMask("dropout_mask_0", (2, 8), 0.25)]
+    onnx.checker.check_model(model)
+    assert "Dropout" not in [n.op_type for n in model.graph.node]
+    x = np.random.default_rng(3).standard_normal((2, 8)).astype(np.float32)
+    (mask,) = draw_masks(masks)
+    np.testing.assert_array_equal(run(model, {"x": x, "dropout_mask_0": mask})[0], x * mask)
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.5])
+def test_drawn_dropout_masks_keep_the_kept_fraction_and_the_scale(ratio):
+    (mask,) = draw_masks([DropoutMask("m", (1000, 1000), ratio)], seed=0)
+    keep = 1.0 - ratio
+    kept = mask != 0
+    # The kept fraction is binomial: 5 standard deviations of 1e6 draws.
+    assert abs(kept.mean() - keep) < 5 * np.sqrt(keep * ratio / mask.size)
+    np.testing.assert_array_equal(np.unique(mask[kept]), [np.float32(1.0 / keep)])  # dropout's 1/(1-p) scale
+    assert not draw_masks([DropoutMask("m", (4,), 1.0)])[0].any()  # p=1 drops everything, as torch does
+    assert draw_masks([DropoutMask("m", (4,), 0.0)])[0].tolist() == [1.0] * 4
+
+
+def test_drawn_masks_follow_torchs_seed_and_differ_between_sites_and_steps():
+    masks = [DropoutMask("a", (64, 32), 0.1), DropoutMask("b", (64, 32), 0.1)]
+    torch.manual_seed(7)
+    first, second = draw_masks(masks), draw_masks(masks)
+    torch.manual_seed(7)
+    again = draw_masks(masks)
+    for got, want in zip(again, first, strict=True):
+        np.testing.assert_array_equal(got, want)  # the run's seed fixes the masks (and a resumed RNG state too)
+    assert not np.array_equal(first[0], first[1]) and not np.array_equal(first[0], second[0])
+
+
+def test_a_dropout_exported_without_training_mode_is_put_in_training_mode():
+    """torch exports scaled_dot_product_attention's dropout as Dropout(x, ratio): ONNX's inference mode."""
+    model = dropout_model(0.5, training=True)
+    del model.graph.node[2].input[2:]  # as torch writes it
+    feeds = {"x": np.ones((2, 8), np.float32)}
+    np.testing.assert_array_equal(run(model, feeds)[0], feeds["x"])  # the identity: no dropout at all
+    assert attention_dropout_in_training_mode(model) == 1 and attention_dropout_in_training_mode(model) == 0
+    onnx.checker.check_model(model)
+    assert set(np.unique(run(model, feeds)[0]).tolist()) == {0.0, 2.0}  # now it drops, scaled by 1/(1-p)

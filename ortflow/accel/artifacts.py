@@ -25,6 +25,7 @@ from ortflow import terminal
 from ortflow.accel import compat
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.none import debug_problems
+from ortflow.accel.rewrites import MaskSampler, Rewrites, prepare_training_graph
 from ortflow.batch import Inputs, Layout
 from ortflow.config import OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
@@ -51,6 +52,21 @@ class Settings:
     )  # ORT's intra-op threads; null = ORT's default (one per physical core)
     allow_spinning: bool = True  # ORT's default; everything runs inside ORT here, so nothing competes with it
     rewrite_gathers: bool = True  # as for ortmodule: constant-index Gather -> Slice before gradient building
+    rewrite_relu: bool = True  # as for ortmodule: Relu -> x * (x > 0), whose gradient ORT runs in parallel
+    # Embedding Gather on a weight of at most this many rows -> OneHot @ W: W's gradient becomes a Gemm instead of
+    # ORT's contending GatherGrad. 0 = off.
+    rewrite_embedding_max_vocab: int = ranged(4096, Ge(0))
+    # Dropout -> x * mask, the masks fed as graph inputs, drawn each step by a fast generator seeded from torch's RNG
+    # (so from the run's seed, and resumed exactly): ORT's CPU Dropout draws its random numbers slowly, on one thread.
+    rewrite_dropout: bool = True
+
+    def rewrites(self) -> Rewrites:
+        return Rewrites(
+            gathers=self.rewrite_gathers,
+            relu=self.rewrite_relu,
+            embedding_max_vocab=self.rewrite_embedding_max_vocab,
+            dropout_masks=self.rewrite_dropout,
+        )
 
 
 def problems(cfg: DictConfig) -> list[str]:
@@ -216,7 +232,10 @@ class ArtifactsEngine:
             compat.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
         forward = onnx.load(str(forward_path))
         refuse_unsupported(forward)
-        self.graph_fixes = compat.prepare_training_graph(forward, accel.rewrite_gathers)
+        example_feeds = {name: t.numpy() for name, t in zip(names, args, strict=True)}
+        self.graph_fixes, self.masks = prepare_training_graph(forward, accel.rewrites(), example_feeds)
+        self.sampler = MaskSampler(self.masks)
+        self.eval_masks = [np.ones(m.shape, m.dtype) for m in self.masks]  # evaluation keeps every unit
         params = dict(model.named_parameters())
         with (
             terminal.native_stderr("onnxruntime"),
@@ -235,6 +254,7 @@ class ArtifactsEngine:
         self.onnx_dir = onnx_dir
         self.options = onnxruntime.SessionOptions()
         self.options.log_severity_level = 3  # errors only: ORT logs every graph transformer it applies at INFO
+        self.intra_op_threads, self.allow_spinning = accel.intra_op_threads, accel.allow_spinning
         compat.apply_session_settings(self.options, accel.intra_op_threads, accel.allow_spinning)
         with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs"):
             self._open(onnx_dir / "checkpoint", optim.lr)
@@ -246,21 +266,36 @@ class ArtifactsEngine:
 
     def _open(self, checkpoint: Path, lr: float) -> None:
         """Training session, eval session and optimizer over the ORT checkpoint file `checkpoint`."""
+        import onnxruntime
         from onnxruntime.training import api
 
         self.state = api.CheckpointState.load_checkpoint(str(checkpoint))
+        # Profiling (ortflow-bench --profile): ORT would write the training and eval sessions' profiles into one
+        # file, so the eval session (unused there) is left out and the optimizer's session gets a file of its own.
+        eval_model = None if compat.profiling() else str(self.onnx_dir / "eval_model.onnx")
         self.module = api.Module(
-            str(self.onnx_dir / "training_model.onnx"),
-            self.state,
-            str(self.onnx_dir / "eval_model.onnx"),
-            session_options=self.options,
+            str(self.onnx_dir / "training_model.onnx"), self.state, eval_model, session_options=self.options
         )
-        self.optimizer = api.Optimizer(str(self.onnx_dir / "optimizer_model.onnx"), self.module)
+        optimizer_options = None
+        if compat.profiling():
+            optimizer_options = onnxruntime.SessionOptions()
+            compat.apply_session_settings(
+                optimizer_options, self.intra_op_threads, self.allow_spinning, "ort_profile_optimizer"
+            )
+        self.optimizer = compat.ort_optimizer(self.onnx_dir / "optimizer_model.onnx", self.module, optimizer_options)
         self.optimizer.set_learning_rate(lr)
 
-    def _feeds(self, tensors: tuple[torch.Tensor, ...], targets: torch.Tensor) -> list[np.ndarray]:
+    def _feeds(self, tensors: tuple[torch.Tensor, ...], targets: torch.Tensor, train: bool) -> list[np.ndarray]:
+        """The session's inputs in its order: the batch's tensors and targets, and (with rewrite_dropout) the
+        dropout masks, freshly drawn for a training step and all ones for evaluation."""
         flat_targets = self.loss.flat_targets(targets) if self.loss_block is not None else targets
-        return [t.numpy() for t in (*tensors, flat_targets)]
+        given = [t.numpy() for t in (*tensors, flat_targets)]
+        if not self.masks:
+            return given
+        drawn = self.sampler.draw() if train else self.eval_masks
+        by_name = dict(zip((m.name for m in self.masks), drawn, strict=True))
+        batch = iter(given)
+        return [by_name[name] if name in by_name else next(batch) for name in self.module.input_names()]
 
     def train_step(self, inputs: Inputs, targets: torch.Tensor) -> float:
         return self.train_micro([(inputs, targets)])
@@ -274,7 +309,7 @@ class ArtifactsEngine:
         losses = []
         for inputs, targets in micro:
             tensors, padded = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
-            loss, _ = self.module(*self._feeds(tensors, padded))
+            loss, _ = self.module(*self._feeds(tensors, padded, train=True))
             losses.append(float(loss) * self.accumulate)
             if not math.isfinite(losses[-1]):
                 break
@@ -286,6 +321,16 @@ class ArtifactsEngine:
             self.steps += 1
         self.module.lazy_reset_grad()  # a non-finite loss: its gradients are dropped, the weights stay
         return mean
+
+    def gradients(self, inputs: Inputs, targets: torch.Tensor) -> tuple[float, dict[str, np.ndarray]]:
+        """One forward and backward pass without an optimizer step: the loss and the trainable parameters' gradients
+        by torch name (for checking graph rewrites and parity). The gradient buffers are reset afterwards."""
+        self.module.train()
+        tensors, padded = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
+        loss, _ = self.module(*self._feeds(tensors, padded, train=True))
+        grads = {name.removeprefix(_PREFIX): np.array(self.state.parameters[name].grad) for name in self.trainable}
+        self.module.lazy_reset_grad()
+        return float(loss), grads
 
     def _grad_norm(self) -> float:
         """The global gradient norm before clipping, from ORT's gradient buffers (CheckpointState parameters'
@@ -300,7 +345,7 @@ class ArtifactsEngine:
         real = targets.size(0)
         tensors, padded = pad_eval_batch(self.layout.flatten(inputs), targets, self.batch_size)
         self.module.eval()
-        _, output = self.module(*self._feeds(tensors, padded))
+        _, output = self.module(*self._feeds(tensors, padded, train=False))
         self.evals += 1
         output = torch.from_numpy(np.asarray(output))
         if self.loss_block is not None:  # back from the loss block's layout to the model's own

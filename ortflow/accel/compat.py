@@ -13,15 +13,14 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import onnx
 import torch
-from onnx import helper, numpy_helper
 
 from ortflow.accel import compat_torch
+from ortflow.accel.rewrites import Rewrites, prepare_training_graph
 
 log = logging.getLogger(__name__)
 
@@ -114,84 +113,6 @@ def export_training_onnx(
 
 
 # ------------------------------------------------------------------------------------------------- ORT side
-def add_dropout_masks(model: onnx.ModelProto) -> int:
-    """Give every Dropout node its optional `mask` output. Returns how many nodes were changed.
-
-    torch exports the attention-weights dropout of scaled_dot_product_attention with one output, while ORT's
-    Dropout gradient reads the mask (`gradient_builder_base.h: i < node_->OutputDefs().size()`). Asking for the
-    mask changes nothing in the forward result.
-    """
-    changed = 0
-    for node in model.graph.node:
-        if node.op_type == "Dropout" and len(node.output) == 1:
-            node.output.append(f"{node.name or node.output[0]}_mask")
-            changed += 1
-    return changed
-
-
-def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    values = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant":
-            for attr in node.attribute:
-                if attr.name == "value":
-                    values[node.output[0]] = numpy_helper.to_array(attr.t)
-    return values
-
-
-def constant_gathers_to_slices(model: onnx.ModelProto) -> int:
-    """Rewrite `Gather(x, <constant scalar i>)` as `Squeeze(Slice(x, i, i+1))`. Returns how many were rewritten.
-
-    nn.MultiheadAttention splits its packed q/k/v projection with proj[0], proj[1], proj[2], which export as
-    Gathers with constant indices. ORT's CPU GatherGrad scatters element by element and contends across threads:
-    ~10 ms each per step for batch 32 x 64 x 128 on 2 cores, over a third of the step. Slice's gradient is a
-    plain copy. Gathers on shapes (Shape -> Gather) are left alone; they are tiny and feed shape inference.
-    """
-    graph = model.graph
-    constants = _constants(graph)
-    producer = {out: node.op_type for node in graph.node for out in node.output}
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
-    nodes, changed = [], 0
-    for node in graph.node:
-        index = constants.get(node.input[1]) if node.op_type == "Gather" and len(node.input) == 2 else None
-        if index is None or index.ndim != 0 or producer.get(node.input[0]) == "Shape":
-            nodes.append(node)
-            continue
-        i = int(index)
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        base = node.name or node.output[0]
-
-        def const(name: str, value: int, base: str = base) -> str:
-            out = f"{base}/{name}"
-            nodes.append(helper.make_node("Constant", [], [out], value=numpy_helper.from_array(np.array([value]))))
-            return out
-
-        end = i + 1 if i != -1 else np.iinfo(np.int64).max  # i=-1: slice to the end
-        starts, ends, axes = const("starts", i), const("ends", end), const("axes", axis)
-        sliced = f"{base}/sliced"
-        nodes.append(helper.make_node("Slice", [node.input[0], starts, ends, axes], [sliced], name=f"{base}/Slice"))
-        if opset >= 13:
-            nodes.append(helper.make_node("Squeeze", [sliced, axes], [node.output[0]], name=f"{base}/Squeeze"))
-        else:
-            nodes.append(helper.make_node("Squeeze", [sliced], [node.output[0]], name=f"{base}/Squeeze", axes=[axis]))
-        changed += 1
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return changed
-
-
-def prepare_training_graph(model: onnx.ModelProto, rewrite_gathers: bool = True) -> dict[str, int]:
-    """All graph fixes ortflow applies to an exported forward graph before ORT builds its gradient; returns how
-    many nodes each fix changed (only the fixes that changed something)."""
-    fixes = {"dropout_mask_outputs": add_dropout_masks(model)}
-    if rewrite_gathers:
-        fixes["constant_gathers_to_slices"] = constant_gathers_to_slices(model)
-    fixes = {name: count for name, count in fixes.items() if count}
-    if fixes:
-        log.debug("graph fixes applied: %s", fixes)
-    return fixes
-
-
 class OrtRunCounter:
     """Counts ORT's own session runs inside one ORTModule engine: proof that ORT, not PyTorch, executed a step."""
 
@@ -215,7 +136,7 @@ class SessionSettings:
 
     intra_op_threads: int | None = None  # None: ORT's default (one per physical core)
     allow_spinning: bool = True  # ORT's default
-    rewrite_gathers: bool = True  # constant-index Gather -> Slice before the gradient is built
+    rewrites: Rewrites = field(default_factory=Rewrites)  # the graph rewrites applied before the gradient is built
 
 
 @dataclass
@@ -231,11 +152,24 @@ _ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("ortflow
 _patched = False
 
 
-def apply_session_settings(options, intra_op_threads: int | None, allow_spinning: bool) -> None:
-    """Thread settings on an onnxruntime.SessionOptions."""
+# A folder: every ORT session an engine creates writes ORT's own profile (per-node timings) there
+# (`ortflow-bench --profile` sets it in its worker processes).
+ORT_PROFILE_DIR = "ORTFLOW_ORT_PROFILE_DIR"
+
+
+def apply_session_settings(
+    options, intra_op_threads: int | None, allow_spinning: bool, profile_name: str = "ort_profile"
+) -> None:
+    """Thread settings (and profiling, when ORTFLOW_ORT_PROFILE_DIR is set) on an onnxruntime.SessionOptions.
+
+    ORT names a profile by its prefix and the second its session started: sessions started in the same second with
+    the same `profile_name` write over each other's file."""
     if intra_op_threads is not None:
         options.intra_op_num_threads = intra_op_threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+    if profile_dir := os.environ.get(ORT_PROFILE_DIR):
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(profile_dir) / profile_name)
 
 
 def _count(cls: type, method: str, kind: str) -> None:
@@ -273,7 +207,9 @@ def patch_ortmodule() -> None:
         with compat_torch.exporting():
             exported_model, output_schema = get_exported(*args, **kwargs)
         scope = _ACTIVE.get()
-        fixes = prepare_training_graph(exported_model, scope.settings.rewrite_gathers if scope else True)
+        rewrites = scope.settings.rewrites if scope else Rewrites()
+        fixes, masks = prepare_training_graph(exported_model, rewrites)
+        assert not masks, "ORTModule cannot feed dropout masks"  # Rewrites.dropout_masks is artifacts-only
         if scope is not None:
             scope.fixes.update(fixes)
         return exported_model, output_schema
@@ -380,6 +316,21 @@ def quiet_root_logger() -> Iterator[None]:
         yield
     finally:
         root.setLevel(level)
+
+
+def profiling() -> bool:
+    """Whether ORT sessions write profiles (ORTFLOW_ORT_PROFILE_DIR)."""
+    return bool(os.environ.get(ORT_PROFILE_DIR))
+
+
+def ort_optimizer(path: Path, module, options=None):
+    """onnxruntime.training.api.Optimizer over `module`; with `options`, its session gets those instead of the
+    module's (the training API offers no argument for it: it reads the module's private `_session_options`)."""
+    from onnxruntime.training import api
+
+    if options is not None:
+        module._session_options = options
+    return api.Optimizer(str(path), module)
 
 
 @contextlib.contextmanager

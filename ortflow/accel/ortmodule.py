@@ -22,10 +22,11 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ortflow import terminal
-from ortflow.accel import compat
+from ortflow.accel import compat, fed_dropout
 from ortflow.accel.engine import EngineContext, WithLoss, pad_batch, pad_eval_batch
 from ortflow.accel.extensions import ensure_built
 from ortflow.accel.none import EagerEngine
+from ortflow.accel.rewrites import DropoutMask, MaskSampler, Rewrites, draw_masks
 from ortflow.batch import Inputs, Layout
 from ortflow.config import DebugConfig
 from ortflow.distributed import MULTI_PROCESS
@@ -60,6 +61,14 @@ class Settings:
     # Rewrite constant-index Gathers (MultiheadAttention's q/k/v split) as Slice before ORT builds the gradient:
     # ORT's CPU GatherGrad was a third of the transformer's step. Off only to compare or to rule it out.
     rewrite_gathers: bool = True
+    # Relu -> x * (x > 0): ORT's CPU ReluGrad runs on one thread; the Mul it becomes runs in parallel.
+    rewrite_relu: bool = True
+    # Dropout (torch.nn.functional.dropout, what nn.Dropout calls) -> x * mask, the masks extra inputs of the module
+    # ORTModule runs, drawn each step by a fast generator seeded from torch's RNG: ORT's CPU Dropout is slow.
+    rewrite_dropout: bool = True
+
+    def rewrites(self) -> Rewrites:
+        return Rewrites(gathers=self.rewrite_gathers, relu=self.rewrite_relu)
 
 
 def problems(cfg: DictConfig) -> list[str]:
@@ -141,18 +150,25 @@ class ORTModuleEngine:
     def __init__(self, ctx: EngineContext, settings: Settings) -> None:
         ensure_built()
         self.fallback = settings.fallback
-        self.session = compat.SessionSettings(
-            settings.intra_op_threads, settings.allow_spinning, settings.rewrite_gathers
-        )
+        self.session = compat.SessionSettings(settings.intra_op_threads, settings.allow_spinning, settings.rewrites())
         self.runs = compat.OrtRunCounter()  # this engine's own ORT runs: the proof that ORT executed
         self.graph_fixes: dict[str, int] = {}  # ortflow's fixes applied to the exported graphs
         with compat.ortmodule_construction(fallback_allowed=settings.fallback == Fallback.warn, opset=settings.opset):
             from onnxruntime.training.ortmodule import ORTModule
 
-            self.module = ORTModule(WithLoss(ctx.model, ctx.loss, ctx.layout), debug_options(ctx.debug, ctx.onnx_dir))
+            with_loss: nn.Module = WithLoss(ctx.model, ctx.loss, ctx.layout)
+            self.masks: list[DropoutMask] = []
+            if settings.rewrite_dropout:
+                example = (*ctx.layout.flatten(ctx.example[0]), ctx.example[1])
+                with_loss, self.masks = fed_dropout.wrap(with_loss, example)
+            self.module = ORTModule(with_loss, debug_options(ctx.debug, ctx.onnx_dir))
+        if self.masks:
+            self.graph_fixes["dropout_to_mask_inputs"] = len(self.masks)
+        self.sampler = MaskSampler(self.masks)
+        self.eval_masks = tuple(torch.ones(m.shape, dtype=getattr(torch, m.dtype.name)) for m in self.masks)
         self.loss, self.layout = ctx.loss, ctx.layout
-        # The inner engine gets the padded, flattened input tensors (positional).
-        flat = Layout(ctx.layout.count)
+        # The inner engine gets the padded, flattened input tensors (positional), then the dropout masks.
+        flat = Layout(ctx.layout.count + len(self.masks))
         self.inner = EagerEngine(
             ctx.wrap(self.module), ctx.model, ctx.loss, flat, ctx.optim, ctx.grad_clip, ctx.reduce_loss
         )
@@ -201,6 +217,9 @@ class ORTModuleEngine:
 
     def train_micro(self, micro: Sequence[tuple[Inputs, torch.Tensor]]) -> float:
         padded = [pad_batch(self.layout.flatten(x), y, self.batch_size, self.loss) for x, y in micro]
+        if self.masks:  # each micro-batch its own masks (the sampler's buffers serve one at a time)
+            draws = [self.sampler.draw()] if len(micro) == 1 else [draw_masks(self.masks) for _ in micro]
+            padded = [((*x, *map(torch.from_numpy, d)), y) for (x, y), d in zip(padded, draws, strict=True)]
         before = self.runs.snapshot()
         loss = self._run(lambda _x, _y: self.inner.train_micro(padded), None, None, "train")
         if not math.isfinite(loss):
@@ -217,7 +236,7 @@ class ORTModuleEngine:
     @torch.no_grad()
     def _eval(self, tensors: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
         self.module.eval()
-        return self.module(*tensors, targets)[1]
+        return self.module(*tensors, *self.eval_masks, targets)[1]
 
     def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
         real = targets.size(0)

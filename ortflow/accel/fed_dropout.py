@@ -1,0 +1,94 @@
+"""Dropout with its masks fed as inputs, for ORTModule (`accel.rewrite_dropout`).
+
+ORT's CPU Dropout draws its random numbers slowly, on one thread. ORTModule exports whatever the wrapped module's
+forward does, so the forward below takes the masks as extra inputs and, while it runs, `torch.nn.functional.dropout`
+(what nn.Dropout calls) multiplies by the next mask instead of drawing one: the exported graph has `x * mask` with
+the mask a graph input, and the engine draws the masks each step (rewrites.MaskSampler: fast, seeded from torch's
+RNG). Dropout inside other ops (scaled_dot_product_attention's `dropout_p`) stays ORT's own Dropout.
+"""
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from ortflow.accel.engine import WithLoss
+from ortflow.accel.rewrites import DropoutMask
+from ortflow.errors import OrtflowError
+
+_dropout = torch.nn.functional.dropout
+
+
+@contextlib.contextmanager
+def _dropout_replaced(replacement) -> Iterator[None]:
+    torch.nn.functional.dropout = replacement
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = _dropout
+
+
+def find_masks(module: WithLoss, example: tuple[torch.Tensor, ...]) -> list[DropoutMask]:
+    """The dropout sites (functional dropout in training mode with p > 0) of one training forward of `module` on
+    `example` (flat inputs and targets), in call order. Its buffers are restored afterwards."""
+    found: list[DropoutMask] = []
+
+    def record(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if training and p > 0:
+            found.append(
+                DropoutMask(f"dropout_mask_{len(found)}", tuple(x.shape), float(p), np.dtype(str(x.dtype)[6:]))
+            )
+        return _dropout(x, p, training, inplace)
+
+    buffers = {name: b.clone() for name, b in module.named_buffers()}
+    was_training = module.training
+    module.train()
+    try:
+        with torch.no_grad(), _dropout_replaced(record):
+            module(*example)
+    finally:
+        module.train(was_training)
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(buffers[name])
+    return found
+
+
+class WithLossAndMasks(WithLoss):
+    """WithLoss whose forward takes the dropout masks after the flat inputs and before the targets."""
+
+    def __init__(self, inner: WithLoss, masks: list[DropoutMask]) -> None:
+        super().__init__(inner.model, inner.loss, inner.layout)
+        self.masks = masks
+
+    def forward(self, *tensors: torch.Tensor):
+        n = len(self.masks)
+        *inputs, targets = tensors
+        masks = iter(inputs[len(inputs) - n :])
+        sites = iter(self.masks)
+
+        def multiply(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+            if not training or p == 0:
+                return _dropout(x, p, training, inplace)
+            site, mask = next(sites, None), next(masks, None)
+            if site is None or mask is None or tuple(x.shape) != site.shape or float(p) != site.ratio:
+                raise OrtflowError(
+                    "accel.rewrite_dropout: this model's dropout calls differ from those found when the engine was "
+                    f"built (a dropout of shape {tuple(x.shape)}, p={p} where "
+                    f"{'none' if site is None else f'shape {site.shape}, p={site.ratio}'} was expected): its forward "
+                    "changes with the input. Set accel.rewrite_dropout=false."
+                )
+            return x * mask
+
+        if not self.training:
+            return super().forward(*inputs[: len(inputs) - n], targets)
+        with _dropout_replaced(multiply):
+            return super().forward(*inputs[: len(inputs) - n], targets)
+
+
+def wrap(module: WithLoss, example: tuple[torch.Tensor, ...]) -> tuple[nn.Module, list[DropoutMask]]:
+    """`module` taking its dropout masks as inputs, and the masks it takes; `module` itself when it has none."""
+    masks = find_masks(module, example)
+    return (WithLossAndMasks(module, masks), masks) if masks else (module, [])

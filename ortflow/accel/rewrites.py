@@ -1,0 +1,345 @@
+"""ONNX graph rewrites ortflow applies to an exported forward graph before ORT builds its gradient.
+
+Two kinds. Fixes, always applied, make a graph ORT can differentiate at all (`add_dropout_masks`). Speed rewrites
+replace a node whose ORT CPU training kernel is slow (single-threaded or contending) with nodes whose forward result
+is the same and whose gradient ORT runs fast; each is optional in the accel config and on by default only where
+`ortflow-bench` measured it faster (README, Performance). Every rewrite returns how many nodes it changed.
+"""
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rewrites:
+    """Which speed rewrites an engine applies (from its accel config)."""
+
+    gathers: bool = True  # constant-index Gather -> Slice + Squeeze
+    relu: bool = True  # Relu -> x * (x > 0)
+    embedding_max_vocab: int = 0  # Gather on a (V, D) weight -> OneHot @ W for V up to this; 0 = off
+    dropout_masks: bool = False  # Dropout -> x * mask, the mask a graph input the engine feeds (artifacts only)
+
+
+@dataclass(frozen=True)
+class DropoutMask:
+    """A graph input that replaced a Dropout: the engine feeds `shape`-shaped masks of 0 and 1/(1-ratio)."""
+
+    name: str
+    shape: tuple[int, ...]
+    ratio: float
+    dtype: np.dtype = field(default=np.dtype(np.float32))
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    values = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    values[node.output[0]] = numpy_helper.to_array(attr.t)
+    return values
+
+
+def _const(nodes: list[onnx.NodeProto], name: str, value: np.ndarray) -> str:
+    nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value)))
+    return name
+
+
+def _consumers(graph: onnx.GraphProto) -> dict[str, int]:
+    used: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            used[name] = used.get(name, 0) + 1
+    for out in graph.output:
+        used[out.name] = used.get(out.name, 0) + 1
+    return used
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Every value's inferred type (ONNX shape inference; exported training graphs have static shapes)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    return {v.name: v.type for v in (*graph.input, *graph.value_info, *graph.output)}
+
+
+def _static_shape(type_: onnx.TypeProto | None) -> tuple[int, ...] | None:
+    if type_ is None or not type_.tensor_type.HasField("shape"):
+        return None
+    dims = type_.tensor_type.shape.dim
+    if not all(d.HasField("dim_value") for d in dims):
+        return None
+    return tuple(d.dim_value for d in dims)
+
+
+# ------------------------------------------------------------------------------------------------- fixes
+def add_dropout_masks(model: onnx.ModelProto) -> int:
+    """Give every Dropout node its optional `mask` output.
+
+    torch exports the attention-weights dropout of scaled_dot_product_attention with one output, while ORT's
+    Dropout gradient reads the mask (`gradient_builder_base.h: i < node_->OutputDefs().size()`). Asking for the
+    mask changes nothing in the forward result.
+    """
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type == "Dropout" and len(node.output) == 1:
+            node.output.append(f"{node.name or node.output[0]}_mask")
+            changed += 1
+    return changed
+
+
+def attention_dropout_in_training_mode(model: onnx.ModelProto) -> int:
+    """Give a Dropout exported without its `training_mode` input (ONNX: inference mode, the identity) a constant
+    True, on a graph exported in training mode.
+
+    torch's exporter writes scaled_dot_product_attention's attention-weights dropout (nn.MultiheadAttention's
+    `dropout`) as `Dropout(x, ratio)` with no training_mode, so ORT ran it as the identity while eager PyTorch
+    drops attention weights. Every other dropout torch exports in training mode carries training_mode = True.
+    """
+    graph = model.graph
+    constants = _constants(graph)
+    nodes: list[onnx.NodeProto] = []
+    changed = 0
+    for node in graph.node:
+        ratio = constants.get(node.input[1]) if node.op_type == "Dropout" and len(node.input) > 1 else None
+        if ratio is None or float(ratio) == 0.0 or (len(node.input) > 2 and node.input[2]):
+            nodes.append(node)
+            continue
+        training = _const(nodes, f"{node.name or node.output[0]}/training_mode", np.array(True))
+        del node.input[2:]
+        node.input.append(training)
+        nodes.append(node)
+        changed += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return changed
+
+
+# ------------------------------------------------------------------------------------------------- speed
+def constant_gathers_to_slices(model: onnx.ModelProto) -> int:
+    """Rewrite `Gather(x, <constant scalar i>)` as `Squeeze(Slice(x, i, i+1))`.
+
+    nn.MultiheadAttention splits its packed q/k/v projection with proj[0], proj[1], proj[2], which export as
+    Gathers with constant indices. ORT's CPU GatherGrad scatters element by element and contends across threads:
+    ~10 ms each per step for batch 32 x 64 x 128 on 2 cores, over a third of the step. Slice's gradient is a
+    plain copy. Gathers on shapes (Shape -> Gather) are left alone; they are tiny and feed shape inference.
+    """
+    graph = model.graph
+    constants = _constants(graph)
+    producer = {out: node.op_type for node in graph.node for out in node.output}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    nodes: list[onnx.NodeProto] = []
+    changed = 0
+    for node in graph.node:
+        index = constants.get(node.input[1]) if node.op_type == "Gather" and len(node.input) == 2 else None
+        if index is None or index.ndim != 0 or producer.get(node.input[0]) == "Shape":
+            nodes.append(node)
+            continue
+        i = int(index)
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        base = node.name or node.output[0]
+        end = i + 1 if i != -1 else np.iinfo(np.int64).max  # i=-1: slice to the end
+        starts = _const(nodes, f"{base}/starts", np.array([i]))
+        ends = _const(nodes, f"{base}/ends", np.array([end]))
+        axes = _const(nodes, f"{base}/axes", np.array([axis]))
+        sliced = f"{base}/sliced"
+        nodes.append(helper.make_node("Slice", [node.input[0], starts, ends, axes], [sliced], name=f"{base}/Slice"))
+        if opset >= 13:
+            nodes.append(helper.make_node("Squeeze", [sliced, axes], [node.output[0]], name=f"{base}/Squeeze"))
+        else:
+            nodes.append(helper.make_node("Squeeze", [sliced], [node.output[0]], name=f"{base}/Squeeze", axes=[axis]))
+        changed += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return changed
+
+
+def relu_to_mask_mul(model: onnx.ModelProto) -> int:
+    """Rewrite `Relu(x)` as `x * Cast(x > 0)`.
+
+    The same values for finite x (relu's -0.0 vs 0.0 aside) and the same gradient, dy * (x > 0), which ORT
+    computes as a parallel Mul instead of its single-threaded CPU ReluGrad. Only float32 Relus are rewritten.
+    """
+    graph = model.graph
+    types = _value_types(model)
+    nodes: list[onnx.NodeProto] = []
+    changed = 0
+    for node in graph.node:
+        type_ = types.get(node.input[0]) if node.op_type == "Relu" else None
+        if type_ is None or type_.tensor_type.elem_type != TensorProto.FLOAT:
+            nodes.append(node)
+            continue
+        base = node.name or node.output[0]
+        zero = _const(nodes, f"{base}/zero", np.array(0.0, dtype=np.float32))
+        nodes += [
+            helper.make_node("Greater", [node.input[0], zero], [f"{base}/positive"], name=f"{base}/Greater"),
+            helper.make_node("Cast", [f"{base}/positive"], [f"{base}/gate"], name=f"{base}/Cast", to=TensorProto.FLOAT),
+            helper.make_node("Mul", [node.input[0], f"{base}/gate"], [node.output[0]], name=f"{base}/Mul"),
+        ]
+        changed += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return changed
+
+
+def small_embeddings_to_onehot_matmul(model: onnx.ModelProto, max_vocab: int) -> int:
+    """Rewrite an embedding lookup `Gather(W, ids)` (W a 2-D float weight with at most `max_vocab` rows, ids not
+    constant) as `MatMul(OneHot(ids, V), W)`.
+
+    The same values (each output row is 1 * W[id] plus zeros) and the same gradient; ORT computes W's gradient as a
+    Gemm of the one-hot rows with the output gradient instead of its contending CPU GatherGrad. The one-hot tensor
+    has V values per id, hence the vocabulary limit. Ids outside [-V, V) would give a zero row instead of an error.
+    """
+    graph = model.graph
+    weights = {i.name: i for i in graph.initializer}
+    constants = _constants(graph)
+    nodes: list[onnx.NodeProto] = []
+    changed = 0
+    for node in graph.node:
+        weight = weights.get(node.input[0]) if node.op_type == "Gather" else None
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if (
+            weight is None
+            or len(weight.dims) != 2
+            or weight.data_type != TensorProto.FLOAT
+            or weight.dims[0] > max_vocab
+            or axis != 0
+            or node.input[1] in constants
+        ):
+            nodes.append(node)
+            continue
+        base = node.name or node.output[0]
+        depth = _const(nodes, f"{base}/depth", np.array([weight.dims[0]], dtype=np.int64))
+        values = _const(nodes, f"{base}/onehot_values", np.array([0.0, 1.0], dtype=np.float32))
+        onehot = f"{base}/onehot"
+        nodes += [
+            helper.make_node("OneHot", [node.input[1], depth, values], [onehot], name=f"{base}/OneHot", axis=-1),
+            helper.make_node("MatMul", [onehot, node.input[0]], [node.output[0]], name=f"{base}/MatMul"),
+        ]
+        changed += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return changed
+
+
+def _shapes_by_running(model: onnx.ModelProto, names: list[str], feeds: dict[str, np.ndarray]) -> dict[str, tuple]:
+    """The shapes of values `names` in one ORT run of `model` on `feeds` (where ONNX shape inference gives up,
+    e.g. after nn.MultiheadAttention's computed Reshapes; the training graphs have static shapes)."""
+    import onnxruntime
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in names)
+    session = onnxruntime.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    values = session.run(names, feeds)
+    return {name: tuple(np.shape(value)) for name, value in zip(names, values, strict=True)}
+
+
+def dropout_to_mask_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None = None) -> list[DropoutMask]:
+    """Rewrite every training-mode `Dropout(x, ratio)` as `x * mask`, `mask` a new graph input of x's (static)
+    shape that the engine fills each step with 0 and 1/(1-ratio) (`draw_masks`).
+
+    ORT's CPU Dropout draws its random numbers slowly, on one thread (as does RandomUniformLike: a random mask
+    built inside the graph is no faster). The gradient becomes a Mul by the same mask. A Dropout is left as it is
+    when its ratio or training mode is not a constant, its shape is not known (from shape inference or, given
+    `feeds`, one run), or its own mask output is used by another node.
+    """
+    graph = model.graph
+    constants = _constants(graph)
+    types = _value_types(model)
+    used = _consumers(graph)
+    dropouts = [n.input[0] for n in graph.node if n.op_type == "Dropout"]
+    shapes = {name: _static_shape(types.get(name)) for name in dropouts}
+    if feeds is not None and (unknown := [name for name, shape in shapes.items() if shape is None]):
+        shapes |= _shapes_by_running(model, unknown, feeds)
+    nodes: list[onnx.NodeProto] = []
+    masks: list[DropoutMask] = []
+    for node in graph.node:
+        if node.op_type != "Dropout":
+            nodes.append(node)
+            continue
+        ratio = constants.get(node.input[1]) if len(node.input) > 1 and node.input[1] else np.array(0.5)
+        training = constants.get(node.input[2]) if len(node.input) > 2 and node.input[2] else np.array(False)
+        type_ = types.get(node.input[0])
+        shape = shapes[node.input[0]]
+        mask_used = len(node.output) > 1 and used.get(node.output[1], 0) > 0
+        if ratio is None or training is None or not bool(training) or shape is None or mask_used:
+            nodes.append(node)
+            continue
+        name = f"dropout_mask_{len(masks)}"
+        elem = type_.tensor_type.elem_type if type_ is not None else TensorProto.FLOAT
+        graph.input.append(helper.make_tensor_value_info(name, elem, list(shape)))
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem))
+        masks.append(DropoutMask(name, shape, float(ratio), dtype))
+        nodes.append(helper.make_node("Mul", [node.input[0], name], [node.output[0]], name=f"{name}/Mul"))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return masks
+
+
+def prepare_training_graph(
+    model: onnx.ModelProto, rewrites: Rewrites, feeds: dict[str, np.ndarray] | None = None
+) -> tuple[dict[str, int], list[DropoutMask]]:
+    """All fixes and the rewrites asked for, on a forward graph about to be differentiated by ORT (`feeds`: example
+    inputs, to find shapes shape inference cannot). Returns how many nodes each changed (only those that changed
+    something) and the dropout masks the engine must feed."""
+    fixes = {"attention_dropout_in_training_mode": attention_dropout_in_training_mode(model)}
+    masks = dropout_to_mask_inputs(model, feeds) if rewrites.dropout_masks else []
+    fixes |= {"dropout_to_mask_inputs": len(masks), "dropout_mask_outputs": add_dropout_masks(model)}
+    if rewrites.gathers:
+        fixes["constant_gathers_to_slices"] = constant_gathers_to_slices(model)
+    if rewrites.relu:
+        fixes["relu_to_mask_mul"] = relu_to_mask_mul(model)
+    if rewrites.embedding_max_vocab:
+        fixes["embedding_to_onehot_matmul"] = small_embeddings_to_onehot_matmul(model, rewrites.embedding_max_vocab)
+    fixes = {name: count for name, count in fixes.items() if count}
+    if fixes:
+        log.debug("graph fixes applied: %s", fixes)
+    return fixes, masks
+
+
+class MaskSampler:
+    """Draws one step's dropout masks into buffers allocated once: 0 with probability `ratio`, else 1/(1-ratio).
+
+    An element drops when a 32-bit random integer is below round(ratio * 2**32) (the probability is exact to
+    2**-33; torch's CPU bernoulli_ compares a 24-bit float). The integers come from numpy's PCG64 (~13 ms for the
+    transformer recipe's 4.2M mask values, against ~40 ms in torch 2.14's CPU bernoulli_ and ~28 ms in ORT's
+    Dropout and DropoutGrad), seeded from torch's RNG unless a seed is given: a run's seed fixes its masks, and
+    resuming from a checkpoint (which saves torch's RNG) draws the masks an uninterrupted run would.
+    """
+
+    def __init__(self, masks: list[DropoutMask]) -> None:
+        self.masks = masks
+        self.sizes = [int(np.prod(m.shape)) for m in masks]
+        self.keep = np.empty(sum(self.sizes), dtype=bool)
+        self.out = [np.empty(m.shape, m.dtype) for m in masks]
+
+    def draw(self, seed: int | None = None) -> list[np.ndarray]:
+        """The masks, in the sampler's buffers: valid until the next call."""
+        if seed is None:
+            import torch
+
+            seed = int(torch.randint(0, 2**62, (1,)))
+        total = len(self.keep)
+        raw = np.random.PCG64(seed).random_raw((total + 1) // 2).view(np.uint32)[:total]
+        start = 0
+        for mask, size, out in zip(self.masks, self.sizes, self.out, strict=True):
+            keep, drawn = self.keep[start : start + size], raw[start : start + size]
+            start += size
+            if mask.ratio >= 1.0:
+                out.fill(0)
+                continue
+            np.greater_equal(drawn, np.uint32(min(round(mask.ratio * 2**32), 2**32 - 1)), out=keep)
+            np.multiply(keep.reshape(mask.shape), mask.dtype.type(1.0 / (1.0 - mask.ratio)), out=out)
+        return self.out
+
+
+def draw_masks(masks: list[DropoutMask], seed: int | None = None) -> list[np.ndarray]:
+    """One step's masks in new arrays (MaskSampler.draw)."""
+    return MaskSampler(masks).draw(seed)
