@@ -10,6 +10,8 @@ them, measured in the same steps. Prints a table and writes JSON. A benchmark, n
     ortflow-bench                                    # transformer recipe, all modes, 3 repeats
     ortflow-bench --sweep model.d_model=64,128,256   # scaling with model width
     ortflow-bench --sweep data.batch_size=16,32,64 --modes none,ortmodule
+    ortflow-bench --sweep model.d_model=64,128,256 --sweep data.batch_size=16,32,64   # one PNG, a panel per sweep
+    ortflow-bench --profile                          # top operators per step: ORT's profiler beside torch.profiler
     ortflow-bench --modes 'none,ortmodule,ortmodule:accel.rewrite_gathers=false;accel.allow_spinning=true'
                                                      # a mode with its own overrides: before/after in one run
 """
@@ -32,6 +34,8 @@ from rich.table import Table
 
 from ortflow.accel.extensions import ensure_built
 from ortflow.bench_worker import MODES
+from ortflow.plots import plot_scaling
+from ortflow.profile import total_ms
 
 
 def matmul_peak_gflops(n: int = 1024, repeats: int = 20) -> float:
@@ -52,8 +56,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_worker(mode: str, steps: int, warmup: int, overrides: list[str]) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "ortflow.bench_worker", mode, str(steps), str(warmup), *overrides]
+def run_worker(mode: str, steps: int, warmup: int, overrides: list[str], profile: bool = False) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "ortflow.bench_worker", *(["--profile"] if profile else [])]
+    cmd += [mode, str(steps), str(warmup), *overrides]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     for line in result.stdout.splitlines():
         if line.startswith("ORTFLOW-BENCH "):
@@ -141,7 +146,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="timed training steps per measurement")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps after the first one")
     p.add_argument("--repeats", type=int, default=3, help="measurements per mode (modes alternate)")
-    p.add_argument("--sweep", default=None, help="KEY=V1,V2,...: repeat everything for each value (scaling)")
+    p.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        help="KEY=V1,V2,...: repeat everything for each value (scaling); may be given more than once; writes a PNG",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing: each mode's top operators per step, ORT's profiler beside torch.profiler",
+    )
+    p.add_argument("--top", type=int, default=10, help="operators shown per mode with --profile (JSON keeps all)")
     p.add_argument("--out", type=Path, default=None, help="JSON file (default: outputs/bench/<time>.json)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run, e.g. model.num_layers=4")
     return p.parse_args(argv)
@@ -156,10 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     if any(m.startswith("ortmodule") for m in modes):
         ensure_built()  # the one-time build is not part of any measurement
     console = Console(width=None if sys.stdout.isatty() else 140)
-    settings = [""]
-    if args.sweep:
-        key, _, values = args.sweep.partition("=")
-        settings = [f"{key}={v}" for v in values.split(",")]
+    settings = [f"{key}={v}" for key, _, values in (x.partition("=") for x in args.sweep) for v in values.split(",")]
+    settings = settings or [""]
+    if args.profile:
+        profile_modes(args, modes, settings, console)
+        return
     peak = matmul_peak_gflops()
     console.print(f"fp32 matmul peak (torch, {torch.get_num_threads()} threads): {peak:.0f} GFLOP/s")
     runs = []
@@ -172,17 +189,75 @@ def main(argv: list[str] | None = None) -> None:
     peak = max(peak, matmul_peak_gflops())
     console.print(f"fp32 matmul peak, best of before and after the runs: {peak:.0f} GFLOP/s")
     rows = summarize(runs, peak)
-    machine = {
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
+    machine = machine_facts()
     console.print(table(rows, f"ortflow-bench: +recipe={args.recipe}, {args.steps} steps x {args.repeats} repeats"))
     out = args.out or Path("outputs") / "bench" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"args": vars(args) | {"out": str(out)}, "machine": machine, "matmul_peak_gflops": peak, "rows": rows}
     out.write_text(json.dumps(report | {"runs": runs}, indent=2))
+    console.print(f"written: {out}")
+    if args.sweep:
+        title = f"ortflow-bench +recipe={args.recipe} ({machine['cpu_count']} cores, torch {machine['torch']})"
+        console.print(f"written: {plot_scaling(rows, out.with_suffix('.png'), title)}")
+
+
+def machine_facts() -> dict[str, Any]:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def profile_table(result: dict[str, Any], top: int, title: str) -> Table:
+    """ORT's operators beside torch's for one mode, top `top` of each by time per step."""
+    t = Table(title=title)
+    for col in ("ORT operator", "ms/step", "calls", "torch operator", "ms/step ", "calls "):
+        t.add_column(col, justify="left" if "operator" in col else "right")
+    ort, torch_ = result.get("ort_ops", []), result.get("torch_ops", [])
+
+    def cells(rows: list[dict[str, Any]], i: int) -> list[str]:
+        if i >= len(rows):
+            return ["", "", ""]
+        r = rows[i]
+        return [r["op"], f"{r['ms_per_step']:.2f}", f"{r['calls_per_step']:g}"]
+
+    for i in range(min(top, max(len(ort), len(torch_)))):
+        t.add_row(*cells(ort, i), *cells(torch_, i))
+    t.add_row(
+        "[bold]all ORT kernels[/bold]" if ort else "(no ORT session)",
+        f"{total_ms(ort):.2f}" if ort else "",
+        "",
+        "[bold]all torch operators (self)[/bold]",
+        f"{total_ms(torch_):.2f}",
+        "",
+    )
+    return t
+
+
+def profile_modes(args: argparse.Namespace, modes: list[str], settings: list[str], console: Console) -> None:
+    """`--profile`: one profiled measurement per (setting, mode), printed side by side, full lists in the JSON."""
+    results = []
+    for setting in settings:
+        overrides = [f"+recipe={args.recipe}", *args.overrides, *([setting] if setting else [])]
+        for mode in modes:
+            console.print(f"[dim]{setting or 'recipe defaults'}: profiling {mode}[/dim]")
+            result = run_worker(mode, args.steps, args.warmup, overrides, profile=True)
+            results.append(result | {"setting": setting or "-"})
+            if "error" in result:
+                console.print(f"{mode}: failed: {result['error']}")
+                continue
+            title = (
+                f"{setting + ': ' if setting else ''}{mode} (executed by {result['executed_by']}), "
+                f"{result['step_ms']:.1f} ms/step under the profilers, {args.steps} steps"
+            )
+            console.print(profile_table(result, args.top, title))
+    out = args.out or Path("outputs") / "bench" / f"profile-{datetime.now():%Y-%m-%d_%H-%M-%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps({"args": vars(args) | {"out": str(out)}, "machine": machine_facts(), "profiles": results}, indent=2)
+    )
     console.print(f"written: {out}")
 
 

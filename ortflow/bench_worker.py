@@ -1,11 +1,14 @@
-"""One benchmark measurement in its own process: `python -m ortflow.bench_worker MODE STEPS WARMUP [OVERRIDES]`.
+"""One benchmark measurement in its own process: `python -m ortflow.bench_worker [--profile] MODE STEPS WARMUP
+[OVERRIDES]`.
 
 Prints one JSON line. A process per measurement gives each mode its own peak memory and a cold first step.
 """
 
 import copy
+import gc
 import itertools
 import json
+import os
 import resource
 import statistics
 import sys
@@ -18,6 +21,8 @@ import torch
 from omegaconf import OmegaConf
 
 from ortflow import loss
+from ortflow import profile as profiling
+from ortflow.accel import compat
 from ortflow.accel.engine import Engine
 from ortflow.batch import layout_of
 from ortflow.config import register_configs
@@ -68,8 +73,9 @@ def model_flops(model: torch.nn.Module, data: Data, objective: Loss) -> int:
     return counter.get_total_flops()
 
 
-def measure(spec: str, steps: int, warmup: int, overrides: list[str]) -> dict[str, Any]:
-    """Measure mode `spec`: a mode name, optionally with its own overrides, `ortmodule:k=v;k2=v2`."""
+def _start(spec: str, steps: int, warmup: int, overrides: list[str]) -> dict[str, Any]:
+    """Config, data, model and engine for mode `spec` (a mode name, optionally with its own overrides,
+    `ortmodule:k=v;k2=v2`), through the first step and the warm-up steps; the rest of the batches are left to time."""
     mode, _, own = spec.partition(":")
     accel = "none" if mode == "compile" else mode
     cfg = compose_config([*overrides, f"accel={accel}", *filter(None, own.split(";")), "logger.progress=false"])
@@ -88,7 +94,23 @@ def measure(spec: str, steps: int, warmup: int, overrides: list[str]) -> dict[st
     first_step_s = time.perf_counter() - start
     for x, y in batches[1 : 1 + warmup]:
         engine.train_step(x, y)
-    timed = batches[1 + warmup :]
+    return {
+        "mode": mode,
+        "cfg": cfg,
+        "data": data,
+        "engine": engine,
+        "run_dir": run_dir,
+        "timed": batches[1 + warmup :],
+        "first_step_s": first_step_s,
+        "flops": flops,
+        "batch_size": batches[0][0].size(0),
+    }
+
+
+def measure(spec: str, steps: int, warmup: int, overrides: list[str]) -> dict[str, Any]:
+    """Samples/s, first step, peak memory, FLOPs and the runner's overhead of mode `spec`."""
+    s = _start(spec, steps, warmup, overrides)
+    mode, cfg, data, engine, run_dir, timed = s["mode"], s["cfg"], s["data"], s["engine"], s["run_dir"], s["timed"]
 
     # Bare hand-written loop vs ortflow's loop on the same engine, alternated in pairs; the loop's final evaluation
     # (one batch) is measured and taken out. Overhead = median over pairs of loop/bare - 1.
@@ -110,24 +132,50 @@ def measure(spec: str, steps: int, warmup: int, overrides: list[str]) -> dict[st
     return {
         "mode": spec,
         "executed_by": "pytorch (torch.compile)" if mode == "compile" else engine.describe()["executed_by"],
-        "samples_per_s": steps * batches[0][0].size(0) / bare_s,
+        "samples_per_s": steps * s["batch_size"] / bare_s,
         "step_ms": 1000 * bare_s / steps,
-        "first_step_s": first_step_s,
+        "first_step_s": s["first_step_s"],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "flops_per_step": flops,
+        "flops_per_step": s["flops"],
         "runner_overhead": statistics.median(lp / b for lp, b in zip(loop, bare, strict=True)) - 1.0,
         "loop_outside_engine": statistics.median(outside),
-        "batch_size": batches[0][0].size(0),
+        "batch_size": s["batch_size"],
+    }
+
+
+def profile(spec: str, steps: int, warmup: int, overrides: list[str]) -> dict[str, Any]:
+    """Operators by time per step over `steps` steps after the warm-up: torch.profiler's list and, for the ORT
+    modes, ORT's own profiler's (every session the engine creates writes a trace, read back once it has ended)."""
+    ort_dir = Path(tempfile.mkdtemp(prefix="ortflow-ort-profile-"))
+    os.environ[compat.ORT_PROFILE_DIR] = str(ort_dir)
+    s = _start(spec, steps, warmup, overrides)
+    engine, timed = s["engine"], s["timed"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for x, y in timed:
+            engine.train_step(x, y)
+        step_ms = 1000 * (time.perf_counter() - start) / steps
+    executed_by = engine.describe()["executed_by"]
+    del engine, s  # ORT writes a session's profile when the session ends
+    gc.collect()
+    return {
+        "mode": spec,
+        "executed_by": executed_by,
+        "step_ms": step_ms,  # under both profilers: slower than the timed runs
+        "ort_ops": profiling.ort_ops(ort_dir, skip_runs=1 + warmup, steps=steps),
+        "torch_ops": profiling.torch_ops(prof, steps),
     }
 
 
 def main() -> None:
-    mode, steps, warmup, *overrides = sys.argv[1:]
+    args = sys.argv[1:]
+    task = profile if args[:1] == ["--profile"] else measure
+    mode, steps, warmup, *overrides = args[1:] if task is profile else args
     if mode.partition(":")[0] not in MODES:
         raise SystemExit(f"mode must be one of {MODES}, optionally followed by :overrides")
     register_configs()
     torch.manual_seed(0)
-    print("ORTFLOW-BENCH " + json.dumps(measure(mode, int(steps), int(warmup), overrides)), flush=True)
+    print("ORTFLOW-BENCH " + json.dumps(task(mode, int(steps), int(warmup), overrides)), flush=True)
 
 
 if __name__ == "__main__":

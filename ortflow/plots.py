@@ -116,3 +116,41 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str = "") -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     return out
+
+
+def plot_scaling(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path:
+    """ortflow-bench's sweeps as one PNG: a panel per swept key, samples/s of each mode against the key's values
+    (median over repeats, the min-max range as error bars). `rows` are the bench's summary rows, whose
+    `setting` is `key=value`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    swept = [r for r in rows if "=" in r["setting"] and "error" not in r]
+    keys = list(dict.fromkeys(r["setting"].partition("=")[0] for r in swept))
+    modes = list(dict.fromkeys(r["mode"] for r in swept))
+    fig = Figure(figsize=(PANEL_SIZE[0] * max(len(keys), 1), PANEL_SIZE[1] + 0.4), dpi=DPI)
+    FigureCanvasAgg(fig)
+    for i, key in enumerate(keys):
+        ax = fig.add_subplot(1, len(keys), i + 1)
+        for j, mode in enumerate(modes):
+            mine = [r for r in swept if r["mode"] == mode and r["setting"].partition("=")[0] == key]
+            values = [float(r["setting"].partition("=")[2]) for r in mine]
+            median = [r["samples_per_s"] for r in mine]
+            low = [m - r["samples_per_s_min"] for m, r in zip(median, mine, strict=True)]
+            high = [r["samples_per_s_max"] - m for m, r in zip(median, mine, strict=True)]
+            ax.errorbar(values, median, yerr=[low, high], color=COLORS[j % len(COLORS)], marker="o", capsize=3,
+                        label=mode)  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([float(r["setting"].partition("=")[2]) for r in swept if r["setting"].startswith(key + "=")])
+        ax.get_xaxis().set_major_formatter("{x:g}")
+        ax.set_xlabel(key)
+        ax.set_ylabel("samples/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title, fontsize="medium")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    return out

@@ -46,3 +46,66 @@ def test_a_failed_mode_is_reported_not_hidden():
     ]
     rows = {r["mode"]: r for r in summarize(runs, peak_gflops=1.0)}
     assert rows["compile"]["error"] == "no compiler" and rows["none"]["vs_eager"] == 1.0
+
+
+@pytest.mark.slow
+def test_bench_profile_puts_orts_operators_beside_torchs(tmp_path):
+    out = tmp_path / "profile.json"
+    tiny = [o for o in TINY if not o.startswith(("trainer.", "logger."))]
+    main(
+        ["--profile", "--modes", "none,ortmodule,artifacts", "--steps", "3", "--warmup", "1", "--out", str(out), *tiny]
+    )
+    profiles = {p["mode"]: p for p in json.loads(out.read_text())["profiles"]}
+    assert set(profiles) == {"none", "ortmodule", "artifacts"}
+    assert all("error" not in p for p in profiles.values()), profiles
+    eager = {r["op"]: r for r in profiles["none"]["torch_ops"]}
+    assert profiles["none"]["ort_ops"] == [] and eager["aten::addmm"]["ms_per_step"] > 0
+    for mode in ("ortmodule", "artifacts"):
+        ort = {r["op"]: r for r in profiles[mode]["ort_ops"]}
+        # One encoder layer: two LayerNorms, each differentiated once per step (the first step and warm-up left out).
+        assert ort["LayerNormalizationGrad"]["calls_per_step"] == 2, mode
+        assert all(r["ms_per_step"] >= 0 for r in ort.values())
+        assert profiles[mode]["executed_by"] == "onnxruntime"
+
+
+def test_ort_profile_is_reduced_per_operator_and_step_without_the_first_runs(tmp_path):
+    from ortflow.profile import ort_ops
+
+    def event(node: str, op: str, dur: int, ts: int) -> dict:
+        return {"cat": "Node", "name": f"{node}_kernel_time", "dur": dur, "ts": ts, "args": {"op_name": op}}
+
+    trace = [event("mm1", "MatMul", d, ts) for ts, d in enumerate([900, 200, 300])]
+    trace += [event("mm2", "MatMul", d, ts) for ts, d in enumerate([900, 100, 100])]
+    trace += [event("relu", "Relu", d, ts) for ts, d in enumerate([50, 40, 60])]
+    trace += [{"cat": "Session", "name": "model_run", "dur": 5000, "ts": 0}]
+    (tmp_path / "ort_profile_1.json").write_text(json.dumps(trace))
+    rows = ort_ops(tmp_path, skip_runs=1, steps=2)
+    assert rows == [
+        {"op": "MatMul", "ms_per_step": 0.35, "calls_per_step": 2.0},
+        {"op": "Relu", "ms_per_step": 0.05, "calls_per_step": 1.0},
+    ]
+
+
+@pytest.mark.slow
+def test_bench_sweeps_are_plotted_one_panel_per_swept_key(tmp_path):
+    from matplotlib.image import imread
+
+    from ortflow.plots import COLORS, DPI, PANEL_SIZE
+
+    out = tmp_path / "sweep.json"
+    tiny = [o for o in TINY if not o.startswith(("trainer.", "logger."))]
+    sweeps = ["--sweep", "data.batch_size=4,8", "--sweep", "model.d_model=16,32"]
+    main(["--modes", "none", "--steps", "2", "--warmup", "0", "--repeats", "1", *sweeps, "--out", str(out), *tiny])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["setting"] for r in rows] == [
+        "data.batch_size=4",
+        "data.batch_size=8",
+        "model.d_model=16",
+        "model.d_model=32",
+    ]
+    image = imread(out.with_suffix(".png"))
+    assert image.shape[1] == 2 * PANEL_SIZE[0] * DPI  # two panels side by side
+    colour = [int(COLORS[0][i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    drawn = (abs(image[..., :3] - colour).sum(axis=-1) < 0.05).any(axis=0)
+    half = image.shape[1] // 2
+    assert drawn[:half].any() and drawn[half:].any()  # eager's curve in each panel
