@@ -206,8 +206,8 @@ def test_artifacts_rewrites_keep_the_loss_and_every_gradient(batches, tmp_path):
     assert "relu_to_mask_mul" not in plain.describe()["graph_fixes"]
     fixes = rewritten.describe()["graph_fixes"]
     assert fixes["relu_to_mask_mul"] == 2 and fixes["embedding_to_onehot_matmul"] == 1  # one per layer; the embedding
-    # q/k/v per layer; 3 dropouts per layer (the attention-weights dropouts, ratio 0, are inference-mode identities)
-    assert fixes["constant_gathers_to_slices"] == 6 and fixes["dropout_to_mask_inputs"] == 6
+    # q/k/v per layer; dropout 0 here, and ORT's Dropout copies its input at ratio 0: no masks to feed
+    assert fixes["constant_gathers_to_slices"] == 6 and "dropout_to_mask_inputs" not in fixes
     for x, y in batches[:3]:
         loss, grads = plain.gradients(x, y)
         loss_rewritten, grads_rewritten = rewritten.gradients(x, y)
@@ -215,6 +215,33 @@ def test_artifacts_rewrites_keep_the_loss_and_every_gradient(batches, tmp_path):
         assert grads_rewritten.keys() == grads.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(grads_rewritten[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_artifacts_dropout_masks_give_eager_pytorchs_loss_and_gradients(batches, tmp_path):
+    """artifacts with rewrite_dropout multiplies by the masks it draws, the attention weights' dropout included:
+    eager PyTorch fed the same masks (in the same order: the graph's order is the forward's call order) gives the
+    same loss and gradients."""
+    from ortflow.accel import fed_dropout
+    from ortflow.accel.rewrites import draw_masks
+
+    engine = make_engine("artifacts", 0.1, batches[0], tmp_path)
+    assert engine.describe()["graph_fixes"]["dropout_to_mask_inputs"] == 8  # 4 per layer, as in eager
+    reference = WithLoss(tiny_model(0.1), CrossEntropy(), Layout(1))
+    sites = fed_dropout.find_masks(reference, batches[0])
+    assert [m.shape for m in engine.masks] == [m.shape for m in sites]
+    assert [m.ratio for m in engine.masks] == pytest.approx([m.ratio for m in sites])  # the graph's is a float32
+    fed = fed_dropout.WithLossAndMasks(reference, sites).train()
+    for seed, (x, y) in enumerate(batches[:2]):
+        torch.manual_seed(seed)
+        loss, grads = engine.gradients(x, y)
+        torch.manual_seed(seed)
+        masks = [torch.from_numpy(m) for m in draw_masks(engine.masks)]  # the engine's draw for this seed
+        expected = fed(x, *masks, y)
+        expected.backward()
+        assert loss == pytest.approx(float(expected), rel=1e-5)
+        for name, p in reference.model.named_parameters():
+            torch.testing.assert_close(torch.from_numpy(grads[name]), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+            p.grad = None
 
 
 def test_ortmodule_relu_rewrite_keeps_the_losses(batches, tmp_path):
@@ -244,20 +271,19 @@ def test_artifacts_dropout_masks_follow_the_torch_seed(batches, tmp_path):
 
 
 def test_ortmodule_fed_dropout_masks_give_eager_pytorchs_loss_and_gradients(batches, tmp_path):
-    """ORTModule with rewrite_dropout runs `x * mask` on masks it is fed: with the same masks, eager PyTorch's
-    loss and gradients. (Attention-weights dropout, inside scaled_dot_product_attention, stays ORT's own Dropout,
-    with its own random numbers: off here so that the two runs are comparable.)"""
+    """ORTModule with rewrite_dropout runs `x * mask` on masks it is fed, the attention weights' dropout included:
+    with the same masks, eager PyTorch's loss and gradients."""
     import copy
 
     from ortflow.accel import compat, fed_dropout
     from ortflow.accel.rewrites import draw_masks
 
     model = tiny_model(0.1)
-    for layer in model.transformer.layers:
-        layer.self_attn.dropout = 0.0
     reference = copy.deepcopy(model)
     engine = make_engine("ortmodule", 0.1, batches[0], tmp_path, model=model)
-    assert engine.describe()["graph_fixes"]["dropout_to_mask_inputs"] == 6  # dropout, dropout1, dropout2 per layer
+    # Per layer: the attention weights' dropout, then dropout, dropout1, dropout2.
+    assert engine.describe()["graph_fixes"]["dropout_to_mask_inputs"] == 8
+    assert [m.shape for m in engine.masks[:2]] == [(8, 2, 16, 16), (16, 8, 32)]  # (batch, heads, T, T), (T, batch, d)
     ref = fed_dropout.WithLossAndMasks(WithLoss(reference, CrossEntropy(), Layout(1)), engine.masks).train()
     for seed, (x, y) in enumerate(batches[:2]):
         masks = [torch.from_numpy(m) for m in draw_masks(engine.masks, seed=seed)]

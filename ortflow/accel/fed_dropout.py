@@ -4,10 +4,12 @@ ORT's CPU Dropout draws its random numbers slowly, on one thread. ORTModule expo
 forward does, so the forward below takes the masks as extra inputs and, while it runs, `torch.nn.functional.dropout`
 (what nn.Dropout calls) multiplies by the next mask instead of drawing one: the exported graph has `x * mask` with
 the mask a graph input, and the engine draws the masks each step (rewrites.MaskSampler: fast, seeded from torch's
-RNG). Dropout inside other ops (scaled_dot_product_attention's `dropout_p`) stays ORT's own Dropout.
+RNG). scaled_dot_product_attention with `dropout_p` (nn.MultiheadAttention's attention-weights dropout) is written
+out meanwhile as torch documents it, so that its dropout goes through `nn.functional.dropout` too.
 """
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,15 +21,47 @@ from ortflow.accel.rewrites import DropoutMask
 from ortflow.errors import OrtflowError
 
 _dropout = torch.nn.functional.dropout
+_attention = torch.nn.functional.scaled_dot_product_attention
+
+
+def attention_with_functional_dropout(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """scaled_dot_product_attention, written out as torch's documentation gives it when it drops attention weights,
+    its dropout a call of `nn.functional.dropout` (so that a replaced dropout applies there too). Without dropout,
+    or with grouped-query attention, torch's own."""
+    if dropout_p == 0.0 or enable_gqa:
+        return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    length, source = query.size(-2), key.size(-2)
+    weights = query @ key.transpose(-2, -1) * (1 / math.sqrt(query.size(-1)) if scale is None else scale)
+    if is_causal:
+        keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+        weights = weights.masked_fill(keep.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            weights = weights.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            weights = weights + attn_mask
+    weights = torch.nn.functional.dropout(torch.softmax(weights, dim=-1), dropout_p)
+    return weights @ value
 
 
 @contextlib.contextmanager
 def _dropout_replaced(replacement) -> Iterator[None]:
     torch.nn.functional.dropout = replacement
+    torch.nn.functional.scaled_dot_product_attention = attention_with_functional_dropout
     try:
         yield
     finally:
         torch.nn.functional.dropout = _dropout
+        torch.nn.functional.scaled_dot_product_attention = _attention
 
 
 def find_masks(module: WithLoss, example: tuple[torch.Tensor, ...]) -> list[DropoutMask]:

@@ -63,8 +63,9 @@ class Settings:
     rewrite_gathers: bool = True
     # Relu -> x * (x > 0): ORT's CPU ReluGrad runs on one thread; the Mul it becomes runs in parallel.
     rewrite_relu: bool = True
-    # Dropout (torch.nn.functional.dropout, what nn.Dropout calls) -> x * mask, the masks extra inputs of the module
-    # ORTModule runs, drawn each step by a fast generator seeded from torch's RNG: ORT's CPU Dropout is slow.
+    # Dropout (torch.nn.functional.dropout, what nn.Dropout calls, and scaled_dot_product_attention's dropout_p) ->
+    # x * mask, the masks extra inputs of the module ORTModule runs, drawn each step by a fast generator seeded from
+    # torch's per-step seed: ORT's CPU Dropout is slow.
     rewrite_dropout: bool = True
 
     def rewrites(self) -> Rewrites:
