@@ -2,8 +2,10 @@
 
 ORT's profile (SessionOptions.enable_profiling, one JSON trace per session, written when the session ends) times
 every graph node run; torch.profiler times every aten operator torch runs (for eager, all the work; under the ORT
-modes, what torch does around ORT: the optimizer step under ORTModule, batch glue). Both are reduced to one list
-per source: operator, milliseconds per step (self time), calls per step.
+modes, what torch does around ORT: the optimizer step under ORTModule, batch glue) and ortflow's own ranges (e.g.
+`ortflow::draw_dropout_masks`). Both are reduced to one list per source: operator, milliseconds per step (self
+time), calls per step. In torch's list, the ranges inside which ORT ran a graph are marked (`ort_run`): their self
+time is ORT's, so they are left out of torch's total.
 """
 
 import json
@@ -44,12 +46,19 @@ def ort_ops(profile_dir: Path, skip_runs: int, steps: int) -> list[OpRow]:
     return _rows(totals, calls, steps)
 
 
+# torch.profiler ranges whose self time is ONNX Runtime running a graph (its kernels are in ORT's own list):
+# ORTModule's autograd Function, and the ranges the artifacts engine marks its ORT calls with.
+ORT_RUN_RANGES = ("_ORTModuleFunction", "ortflow::ort_")
+
+
 def torch_ops(profiler: torch.profiler.profile, steps: int) -> list[OpRow]:
-    """torch's self CPU time per step by operator, from a finished torch.profiler run over `steps` steps."""
+    """torch's self CPU time per step by operator, from a finished torch.profiler run over `steps` steps. Rows for
+    a range inside which ORT ran a graph have `ort_run: True`."""
     totals = {e.key: e.self_cpu_time_total for e in profiler.key_averages() if e.self_cpu_time_total > 0}
     calls = {e.key: e.count for e in profiler.key_averages()}
-    return _rows(totals, calls, steps)
+    return [r | {"ort_run": r["op"].startswith(ORT_RUN_RANGES)} for r in _rows(totals, calls, steps)]
 
 
 def total_ms(rows: list[OpRow]) -> float:
-    return sum(r["ms_per_step"] for r in rows)
+    """The rows' time per step, leaving out ranges in which ORT ran (their time is ORT's kernels and overhead)."""
+    return sum(r["ms_per_step"] for r in rows if not r.get("ort_run"))
