@@ -67,6 +67,14 @@ def test_bench_profile_puts_orts_operators_beside_torchs(tmp_path):
         assert ort["LayerNormalizationGrad"]["calls_per_step"] == 2, mode
         assert all(r["ms_per_step"] >= 0 for r in ort.values())
         assert profiles[mode]["executed_by"] == "onnxruntime"
+        assert "Dropout" not in ort  # every dropout is a multiply by the masks ortflow draws (rewrite_dropout)
+        ranges = {r["op"]: r for r in profiles[mode]["torch_ops"]}
+        assert (
+            ranges["ortflow::draw_dropout_masks"]["calls_per_step"] == 1
+            and not ranges["ortflow::draw_dropout_masks"]["ort_run"]
+        )
+        ort_run = "_ORTModuleFunction" if mode == "ortmodule" else "ortflow::ort_training_graph"
+        assert ranges[ort_run]["ort_run"]  # its self time is ORT's: marked, and left out of torch's total
 
 
 def test_ort_profile_is_reduced_per_operator_and_step_without_the_first_runs(tmp_path):
