@@ -217,33 +217,6 @@ def test_artifacts_rewrites_keep_the_loss_and_every_gradient(batches, tmp_path):
             torch.testing.assert_close(grads_rewritten[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_artifacts_dropout_masks_give_eager_pytorchs_loss_and_gradients(batches, tmp_path):
-    """artifacts with rewrite_dropout multiplies by the masks it draws, the attention weights' dropout included:
-    eager PyTorch fed the same masks (in the same order: the graph's order is the forward's call order) gives the
-    same loss and gradients."""
-    from ortflow.accel import fed_dropout
-    from ortflow.accel.rewrites import draw_masks
-
-    engine = make_engine("artifacts", 0.1, batches[0], tmp_path)
-    assert engine.describe()["graph_fixes"]["dropout_to_mask_inputs"] == 8  # 4 per layer, as in eager
-    reference = WithLoss(tiny_model(0.1), CrossEntropy(), Layout(1))
-    sites = fed_dropout.find_masks(reference, batches[0])
-    assert [m.shape for m in engine.masks] == [m.shape for m in sites]
-    assert [m.ratio for m in engine.masks] == pytest.approx([m.ratio for m in sites])  # the graph's is a float32
-    fed = fed_dropout.WithLossAndMasks(reference, sites).train()
-    for seed, (x, y) in enumerate(batches[:2]):
-        torch.manual_seed(seed)
-        loss, grads = engine.gradients(x, y)
-        torch.manual_seed(seed)
-        masks = [torch.from_numpy(m) for m in draw_masks(engine.masks)]  # the engine's draw for this seed
-        expected = fed(x, *masks, y)
-        expected.backward()
-        assert loss == pytest.approx(float(expected), rel=1e-5)
-        for name, p in reference.model.named_parameters():
-            torch.testing.assert_close(torch.from_numpy(grads[name]), p.grad, rtol=1e-4, atol=1e-6, msg=name)
-            p.grad = None
-
-
 def test_ortmodule_relu_rewrite_keeps_the_losses(batches, tmp_path):
     plain = make_engine("ortmodule", 0.0, batches[0], tmp_path / "plain", rewrite_relu=False)
     rewritten = make_engine("ortmodule", 0.0, batches[0], tmp_path / "rewritten")
@@ -270,37 +243,6 @@ def test_artifacts_dropout_masks_follow_the_torch_seed(batches, tmp_path):
     assert abs(sum(got) - sum(expected)) / sum(expected) < RTOL_DROPOUT_MEAN
 
 
-def test_ortmodule_fed_dropout_masks_give_eager_pytorchs_loss_and_gradients(batches, tmp_path):
-    """ORTModule with rewrite_dropout runs `x * mask` on masks it is fed, the attention weights' dropout included:
-    with the same masks, eager PyTorch's loss and gradients."""
-    import copy
-
-    from ortflow.accel import compat, fed_dropout
-    from ortflow.accel.rewrites import draw_masks
-
-    model = tiny_model(0.1)
-    reference = copy.deepcopy(model)
-    engine = make_engine("ortmodule", 0.1, batches[0], tmp_path, model=model)
-    # Per layer: the attention weights' dropout, then dropout, dropout1, dropout2.
-    assert engine.describe()["graph_fixes"]["dropout_to_mask_inputs"] == 8
-    assert [m.shape for m in engine.masks[:2]] == [(8, 2, 16, 16), (16, 8, 32)]  # (batch, heads, T, T), (T, batch, d)
-    ref = fed_dropout.WithLossAndMasks(WithLoss(reference, CrossEntropy(), Layout(1)), engine.masks).train()
-    for seed, (x, y) in enumerate(batches[:2]):
-        masks = [torch.from_numpy(m) for m in draw_masks(engine.masks, seed=seed)]
-        assert any((m == 0).any() for m in masks)
-        with compat.ortmodule_scope(engine.session, engine.runs, engine.graph_fixes):
-            engine.module.train()
-            loss = engine.module(x, *masks, y)
-            loss.backward()
-        expected = ref(x, *masks, y)
-        expected.backward()
-        assert float(loss) == pytest.approx(float(expected), rel=RTOL_ORTMODULE)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
-            p.grad, q.grad = None, None
-    assert engine.runs.snapshot()[:2] == (2, 2)  # ORT ran both forwards and backwards
-
-
 def test_ortmodule_dropout_masks_follow_the_torch_seed(batches, tmp_path):
     runs = []
     for seed, name in [(5, "a"), (5, "b"), (6, "c")]:
@@ -309,3 +251,61 @@ def test_ortmodule_dropout_masks_follow_the_torch_seed(batches, tmp_path):
         runs.append(losses(engine, batches))
         assert engine.describe()["executed_by"] == "onnxruntime"
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def dropout_block() -> torch.nn.Module:
+    from tests.zoo import dropout_block
+
+    torch.manual_seed(0)
+    return dropout_block()
+
+
+# model, its dropout sites: nn.TransformerEncoderLayer has per layer the attention weights' dropout (inside
+# scaled_dot_product_attention), then dropout, dropout1, dropout2; the zoo's DropoutBlock has one of each form
+# (scaled_dot_product_attention's dropout_p, F.dropout, nn.Dropout).
+DROPOUT_MODELS = {"transformer": (lambda: tiny_model(0.1), 8), "dropout_block": (dropout_block, 3)}
+
+
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+@pytest.mark.parametrize("family", sorted(DROPOUT_MODELS))
+def test_fed_dropout_masks_give_eager_pytorchs_loss_and_gradients(kind, family, batches, tmp_path):
+    """With rewrite_dropout every dropout is `x * mask` on masks the engine draws (ORTModule: extra inputs of the
+    module it runs; artifacts: graph inputs, in the graph's order, which is the forward's call order): eager
+    PyTorch fed the same masks gives the engine's loss and gradients."""
+    import copy
+
+    from ortflow.accel import compat, fed_dropout
+    from ortflow.accel.rewrites import draw_masks
+
+    build, sites = DROPOUT_MODELS[family]
+    model = build()
+    reference = WithLoss(copy.deepcopy(model), CrossEntropy(), Layout(1))
+    engine = make_engine(kind, 0.1, batches[0], tmp_path, model=model)
+    assert engine.describe()["graph_fixes"]["dropout_to_mask_inputs"] == sites
+    found = fed_dropout.find_masks(reference, batches[0])
+    assert [m.shape for m in engine.masks] == [m.shape for m in found]
+    assert [m.ratio for m in engine.masks] == pytest.approx([m.ratio for m in found])  # artifacts': a float32
+    fed = fed_dropout.WithLossAndMasks(reference, found).train()
+    for seed, (x, y) in enumerate(batches[:2]):
+        torch.manual_seed(seed)
+        masks = [torch.from_numpy(m) for m in draw_masks(engine.masks)]
+        assert any((m == 0).any() for m in masks)
+        if kind == "artifacts":
+            torch.manual_seed(seed)  # the engine draws the same masks from the same seed
+            loss, grads = engine.gradients(x, y)
+            grads = {name: torch.from_numpy(g) for name, g in grads.items()}
+        else:
+            with compat.ortmodule_scope(engine.session, engine.runs, engine.graph_fixes):
+                engine.module.train()
+                out = engine.module(x, *masks, y)
+                out.backward()
+            loss, grads = float(out), {name: p.grad for name, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+        expected = fed(x, *masks, y)
+        expected.backward()
+        assert loss == pytest.approx(float(expected), rel=1e-5)
+        for name, p in reference.model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+            p.grad = None
+    if kind == "ortmodule":
+        assert engine.runs.snapshot()[:2] == (2, 2)  # ORT ran both forwards and backwards

@@ -19,6 +19,7 @@ ZOO = {
     "cnn_batchnorm": (DIGITS, {"ortmodule": "BatchNorm layers", "artifacts": "BatchNormalization"}),
     "gru_lm": (TEXT, {}),
     "gpt_block": (TEXT, {}),
+    "dropout_block": (TEXT, {}),
     "tied_embeddings": (TEXT, {}),
     "frozen_submodule": (TEXT, {}),
     "custom_function": (TEXT, {"artifacts": "torch.autograd.Function ScaledTanh"}),

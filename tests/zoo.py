@@ -72,6 +72,31 @@ def gpt_block() -> nn.Module:
     return GPTBlock()
 
 
+class DropoutBlock(GPTBlock):
+    """GPTBlock with dropout in each form a user writes it: the attention weights' (scaled_dot_product_attention's
+    dropout_p), a functional F.dropout and an nn.Dropout module."""
+
+    def __init__(self, p: float = 0.1) -> None:
+        super().__init__()
+        self.p = p
+        self.drop = nn.Dropout(p)
+
+    def forward(self, tokens):
+        b, t = tokens.shape
+        x = self.embedding(tokens) + self.position[:t]
+        q, k, v = self.qkv(self.norm1(x)).split(x.size(-1), dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        p = self.p if self.training else 0.0
+        attn = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + F.dropout(self.proj(attn), p, self.training)
+        x = x + self.drop(self.mlp(self.norm2(x)))
+        return self.head(x)
+
+
+def dropout_block() -> nn.Module:
+    return DropoutBlock()
+
+
 class TiedEmbeddings(nn.Module):
     def __init__(self, vocab_size: int = 256, width: int = 16) -> None:
         super().__init__()
