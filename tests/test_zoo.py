@@ -19,7 +19,6 @@ ZOO = {
     "cnn_batchnorm": (DIGITS, {"ortmodule": "BatchNorm layers", "artifacts": "BatchNormalization"}),
     "gru_lm": (TEXT, {}),
     "gpt_block": (TEXT, {}),
-    "dropout_block": (TEXT, {}),
     "tied_embeddings": (TEXT, {}),
     "frozen_submodule": (TEXT, {}),
     "custom_function": (TEXT, {"artifacts": "torch.autograd.Function ScaledTanh"}),
@@ -145,3 +144,14 @@ def test_ortflow_check_prints_one_table_and_writes_json(tmp_path, capfd, monkeyp
 def test_a_data_builder_returning_something_else_is_refused_by_name(monkeypatch):
     with pytest.raises(OrtflowError, match=r"data._target_=builtins.dict returned dict, not an ortflow.data.Data"):
         check(["data=custom", "data._target_=builtins.dict"], 2, ["none"])
+
+
+def test_a_model_with_functional_dropout_is_reported_as_drawing_random_numbers(monkeypatch):
+    """ortflow-check sets dropout modules to p=0; F.dropout and scaled_dot_product_attention's dropout_p it cannot
+    reach, and says so instead of presenting the loss difference as the runtimes' parity."""
+    monkeypatch.syspath_prepend(str(REPO))
+    report = check(["model=custom", "model._target_=tests.zoo.dropout_block", *TEXT], 3, ["none", "ortmodule"])
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert report["random_forward"] and rows["ortmodule"]["executed_by"] == "onnxruntime"
+    plain = check(["model=custom", "model._target_=tests.zoo.gpt_block", *TEXT], 2, ["none"])
+    assert not plain["random_forward"]
