@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(runs, peak)
     machine = machine_facts()
     console.print(table(rows, f"ortflow-bench: +recipe={args.recipe}, {args.steps} steps x {args.repeats} repeats"))
+    console.print(f"machine: {describe_machine(machine)}")
     out = args.out or Path("outputs") / "bench" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
@@ -230,15 +231,38 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(report | {"runs": runs}, indent=2))
     console.print(f"written: {out}")
     if args.sweep:
-        title = f"ortflow-bench +recipe={args.recipe} ({machine['cpu_count']} cores, torch {machine['torch']})"
+        title = f"ortflow-bench +recipe={args.recipe}: {describe_machine(machine)}"
         console.print(f"written: {plot_scaling(rows, out.with_suffix('.png'), title)}")
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo, with AVX-512 noted: it decides which runtime's matmuls are
+    faster), else what `platform` knows."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    name = fields.get("model name", platform.machine())
+    return f"{name}, AVX-512" if "avx512f" in fields.get("flags", "").split() else name
+
+
+def describe_machine(machine: dict[str, Any]) -> str:
+    return (
+        f"{machine['cpu']} ({machine['cpu_count']} cores), torch {machine['torch']}, "
+        f"onnxruntime {machine['onnxruntime']}"
+    )
+
+
 def machine_facts() -> dict[str, Any]:
+    import onnxruntime
+
     return {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
         "python": platform.python_version(),
     }
 
