@@ -27,6 +27,7 @@ from ortflow.batch import layout_of, split_batch
 from ortflow.config import register_configs
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError, root_reason
+from ortflow.model.probe import training_forward_probe
 from ortflow.paths import compose_config, config_dir
 from ortflow.runner import build_data, build_model, engine_context
 from ortflow.seeding import seed_everything, seed_step
@@ -58,20 +59,11 @@ def draws_random_numbers(model: nn.Module, inputs) -> bool:
     `without_dropout` cannot reach (F.dropout, scaled_dot_product_attention's dropout_p, a random augmentation).
     The model's buffers (BatchNorm statistics) are restored."""
     layout = layout_of(inputs)
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    training = model.training
-    model.train()
     outputs = []
-    try:
-        with torch.no_grad():
-            for seed in (0, 1):
-                torch.manual_seed(seed)
-                outputs.append(layout.call(model, layout.flatten(inputs)))
-    finally:
-        model.train(training)
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
+    with training_forward_probe(model):
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            outputs.append(layout.call(model, layout.flatten(inputs)))
     first, second = outputs
     return isinstance(first, torch.Tensor) and not torch.equal(first, second)
 

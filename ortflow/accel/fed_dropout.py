@@ -19,6 +19,7 @@ from torch import nn
 from ortflow.accel.engine import WithLoss
 from ortflow.accel.rewrites import DropoutMask
 from ortflow.errors import OrtflowError
+from ortflow.model.probe import training_forward_probe
 
 _dropout = torch.nn.functional.dropout
 _attention = torch.nn.functional.scaled_dot_product_attention
@@ -76,17 +77,8 @@ def find_masks(module: WithLoss, example: tuple[torch.Tensor, ...]) -> list[Drop
             )
         return _dropout(x, p, training, inplace)
 
-    buffers = {name: b.clone() for name, b in module.named_buffers()}
-    was_training = module.training
-    module.train()
-    try:
-        with torch.no_grad(), _dropout_replaced(record):
-            module(*example)
-    finally:
-        module.train(was_training)
-        with torch.no_grad():
-            for name, b in module.named_buffers():
-                b.copy_(buffers[name])
+    with training_forward_probe(module), _dropout_replaced(record):
+        module(*example)
     return found
 
 
