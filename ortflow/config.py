@@ -80,19 +80,19 @@ class DiabetesDataConfig:
 # ------------------------------------------------------------------------------------------------------ loss
 @dataclass
 class CrossEntropyLossConfig:
-    _target_: str = "ortflow.loss.CrossEntropy"
+    _target_: str = "ortflow.step.loss.CrossEntropy"
     ignore_index: int = -100  # targets equal to it carry no loss and no accuracy (padding)
     label_smoothing: float = ranged(0.0, Interval(ge=0, le=1))
 
 
 @dataclass
 class MSELossConfig:
-    _target_: str = "ortflow.loss.MSE"
+    _target_: str = "ortflow.step.loss.MSE"
 
 
 @dataclass
 class BCEWithLogitsLossConfig:
-    _target_: str = "ortflow.loss.BCEWithLogits"
+    _target_: str = "ortflow.step.loss.BCEWithLogits"
     pos_weight: float | None = ranged(None, Gt(0))  # weight of positive targets; null = 1
 
 

@@ -14,7 +14,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from ortflow import accel, distributed, ranges
 from ortflow.errors import collect
-from ortflow.trainer import FINAL_METRICS
+from ortflow.run.trainer import FINAL_METRICS
 
 log = logging.getLogger(__name__)
 

@@ -86,7 +86,7 @@ def ortflow_cli(monkeypatch, capfd):
     subprocess for runs that stop at a config, data or checkpoint error). Returns (exit status, stderr)."""
     from hydra.core.global_hydra import GlobalHydra
 
-    from ortflow import cli
+    from ortflow.cli import train as cli
 
     def run(*args: str, cwd: Path) -> tuple[int, str]:
         monkeypatch.chdir(cwd)

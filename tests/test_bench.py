@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from ortflow.bench import main, summarize
+from ortflow.cli.bench import main, summarize
 from tests.conftest import TINY
 
 
@@ -78,7 +78,7 @@ def test_bench_profile_puts_orts_operators_beside_torchs(tmp_path):
 
 
 def test_ort_profile_is_reduced_per_operator_and_step_without_the_first_runs(tmp_path):
-    from ortflow.profile import ort_ops
+    from ortflow.report.profile import ort_ops
 
     def event(node: str, op: str, dur: int, ts: int) -> dict:
         return {"cat": "Node", "name": f"{node}_kernel_time", "dur": dur, "ts": ts, "args": {"op_name": op}}
@@ -99,7 +99,7 @@ def test_ort_profile_is_reduced_per_operator_and_step_without_the_first_runs(tmp
 def test_bench_sweeps_are_plotted_one_panel_per_swept_key(tmp_path):
     from matplotlib.image import imread
 
-    from ortflow.plots import COLORS, DPI, PANEL_SIZE
+    from ortflow.report.plots import COLORS, DPI, PANEL_SIZE
 
     out = tmp_path / "sweep.json"
     tiny = [o for o in TINY if not o.startswith(("trainer.", "logger."))]

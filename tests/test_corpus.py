@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ortflow import checkpoint
+from ortflow.run import checkpoint
 from tests.conftest import TESTS, TINY, run_cli
 
 CORPUS = TESTS / "corpus"

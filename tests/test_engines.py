@@ -10,14 +10,14 @@ from omegaconf import OmegaConf
 
 from ortflow import accel
 from ortflow.accel.engine import EngineContext, WithLoss, pad_batch
-from ortflow.batch import Layout
 from ortflow.config import DebugConfig, OptimConfig
 from ortflow.data.text import build_text_data
 from ortflow.errors import OrtflowError
-from ortflow.loss import IGNORE_INDEX, MSE, CrossEntropy
 from ortflow.model.mlp import build_mlp
 from ortflow.model.transformer import build_transformer
-from ortflow.trainer import evaluate
+from ortflow.run.trainer import evaluate
+from ortflow.step.batch import Layout
+from ortflow.step.loss import IGNORE_INDEX, MSE, CrossEntropy
 from tests.conftest import make_cfg
 
 STEPS = 10

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ortflow.runner import train
+from ortflow.run.runner import train
 from tests.conftest import make_cfg
 
 MODES = ["none", "ortmodule", "artifacts"]
@@ -64,7 +64,7 @@ def test_the_gradient_norm_is_the_same_in_every_mode_and_is_taken_before_clippin
 def test_best_and_final_weights_and_the_inference_export(mode, tmp_path):
     import onnxruntime
 
-    from ortflow.predict import main as predict
+    from ortflow.cli.predict import main as predict
 
     metrics, run_dir = run(
         tmp_path, mode, f"accel={mode}", "trainer.max_steps=40", "trainer.eval_every=10", "export.onnx=true"
@@ -96,7 +96,7 @@ def test_a_resumed_accumulating_run_ends_bitwise_where_an_uninterrupted_one_does
 
 
 def test_predict_evaluates_a_text_file_and_samples_a_continuation(tmp_path, capsys):
-    from ortflow.predict import main as predict
+    from ortflow.cli.predict import main as predict
     from tests.conftest import TINY
 
     run_dir = tmp_path / "lm"

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from ortflow import loss
 from ortflow.errors import OrtflowError
+from ortflow.step import loss
 from ortflow.validate import problems
 from tests.conftest import make_cfg
 
@@ -46,7 +46,7 @@ def test_mse_and_bce_sums_match_torch():
 
 
 def test_build_takes_shipped_losses_user_functions_and_user_classes():
-    assert isinstance(loss.build(_node(_target_="ortflow.loss.MSE")), loss.MSE)
+    assert isinstance(loss.build(_node(_target_="ortflow.step.loss.MSE")), loss.MSE)
     fn = loss.build(_node(_target_="tests.zoo.mean_abs_error", scale=2.0))
     out, targets = torch.ones(4, 1), torch.zeros(4, 1)
     assert float(fn(out, targets)) == 2.0
@@ -55,7 +55,7 @@ def test_build_takes_shipped_losses_user_functions_and_user_classes():
 
 
 @pytest.mark.parametrize(
-    ("target", "says"), [("tests.zoo.nowhere", "cannot be imported"), ("ortflow.loss.IGNORE_INDEX", "is a int")]
+    ("target", "says"), [("tests.zoo.nowhere", "cannot be imported"), ("ortflow.step.loss.IGNORE_INDEX", "is a int")]
 )
 def test_build_refuses_what_is_not_a_loss(target, says):
     with pytest.raises(OrtflowError, match=says):

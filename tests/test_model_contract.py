@@ -11,9 +11,9 @@ from ortflow import accel
 from ortflow.accel.engine import EngineContext
 from ortflow.config import DebugConfig, OptimConfig
 from ortflow.data.text import build_text_data
-from ortflow.loss import CrossEntropy
 from ortflow.model import sequence_first
 from ortflow.model.contract import check_model
+from ortflow.step.loss import CrossEntropy
 from tests.conftest import REPO, TINY, make_cfg
 from tests.seed_model import build as build_seed_model
 

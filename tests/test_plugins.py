@@ -11,7 +11,7 @@ from ortflow import accel
 from ortflow.accel.engine import EngineContext
 from ortflow.config import DebugConfig, OptimConfig
 from ortflow.data.text import build_text_data
-from ortflow.runner import train
+from ortflow.run.runner import train
 from ortflow.validate import problems
 from tests.conftest import TESTS, TINY, USER_ENV, make_cfg, run_cli
 
@@ -27,7 +27,7 @@ def test_a_fourth_engine_is_one_module_and_one_yaml(tmp_path):
     assert record.engine.tiny_steps == 6 and record.status == "completed"
     # Its checks are its own, reported with every other problem; its checkpoint names it.
     assert any("accel=tiny trains with SGD only" in p for p in problems(make_cfg(PLUGIN, "accel=tiny")))
-    from ortflow import checkpoint
+    from ortflow.run import checkpoint
 
     assert checkpoint.load(tmp_path / "run" / "checkpoints" / "step-00000006.pt")["accel"] == "tiny"
 
@@ -45,7 +45,7 @@ def test_a_fourth_engine_runs_from_the_command_line(tmp_path):
         (["accel=ortmodule", "accel._target_=ortflow.accel.artifacts.build"], "choose the mode with accel=artifacts"),
         (["accel=artifacts", "accel._target_=ortflow.accel.none.build"], "choose the mode with accel=none"),
         (["accel=none", "accel._target_=no_such_module.build"], "cannot be imported"),
-        (["accel=none", "accel._target_=ortflow.runner.train"], "is not an engine builder"),
+        (["accel=none", "accel._target_=ortflow.run.runner.train"], "is not an engine builder"),
         (["accel=none", "debug=onnx"], "apply to accel=ortmodule only"),
         (["accel=artifacts", "debug=verbose"], "apply to accel=ortmodule only"),
         (["accel=artifacts", "accel.opset=7"], "accel.opset=7"),

@@ -3,7 +3,7 @@ in the same run dir, out of memory, a diverging lr. Each either works or is one 
 
 import json
 
-from ortflow import checkpoint
+from ortflow.run import checkpoint
 from tests.conftest import TINY, USER_ENV, custom_model
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ortflow import checkpoint
+from ortflow.run import checkpoint
 from tests.conftest import REPO, TINY, custom_model, run_cli
 
 # Long enough (hundreds of steps) to be killed mid-run, small enough to take seconds per run.

@@ -6,15 +6,15 @@ import json
 import pytest
 import torch
 
-from ortflow import checkpoint
 from ortflow.accel.engine import EngineContext
 from ortflow.accel.none import build as build_eager
 from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
 from ortflow.errors import OrtflowError
-from ortflow.launch import rank_overrides
-from ortflow.rundir import RunDir
-from ortflow.trainer import LoopState
+from ortflow.run import checkpoint
+from ortflow.run.launch import rank_overrides
+from ortflow.run.rundir import RunDir
+from ortflow.run.trainer import LoopState
 from tests.conftest import make_cfg
 
 CFG = make_cfg()

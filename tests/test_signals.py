@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ortflow import checkpoint
+from ortflow.run import checkpoint
 from tests.conftest import TINY, USER_ENV, custom_model, run_cli
 
 # (moment, signal, accel mode) -> (exit status, run.json status)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ortflow.compare import main as compare
+from ortflow.cli.compare import main as compare
 from tests.conftest import TINY, run_cli, run_dirs
 from tests.test_terminal import curve_colours
 

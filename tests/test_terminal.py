@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from ortflow.plots import COLORS, DPI, PANEL_SIZE
+from ortflow.report.plots import COLORS, DPI, PANEL_SIZE
 from tests.conftest import run_cli, run_dirs
 
 FOREIGN = ("onnxruntime:Default", "GraphTransformer", "No CUDA runtime", "Warning:", "warnings.warn", "Traceback")
@@ -115,7 +115,7 @@ def curve_colours(png: Path, panel: tuple[int, int] = (0, 0)) -> int:
 
 
 def test_compare_writes_a_png_with_one_curve_per_run_and_the_eager_difference(tmp_path, capsys):
-    from ortflow.compare import main
+    from ortflow.cli.compare import main
 
     runs = []
     for mode in ("none", "artifacts"):
@@ -135,7 +135,7 @@ def test_compare_writes_a_png_with_one_curve_per_run_and_the_eager_difference(tm
 def test_the_summary_of_a_preempted_run_gives_the_command_that_continues_it(tmp_path):
     from rich.console import Console
 
-    from ortflow.summary import summary_table
+    from ortflow.report.summary import summary_table
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "step-00000040.pt").write_bytes(b"")

@@ -14,9 +14,9 @@ from ortflow.accel.engine import EvalResult
 from ortflow.config import OptimConfig, SchedulerConfig, SchedulerName, TrainerConfig
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError
-from ortflow.scheduler import lr_at
-from ortflow.signals import Preempted
-from ortflow.trainer import LoopState, train_loop
+from ortflow.run.signals import Preempted
+from ortflow.run.trainer import LoopState, train_loop
+from ortflow.step.scheduler import lr_at
 
 
 class FakeEngine:

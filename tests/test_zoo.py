@@ -3,7 +3,7 @@ batches): it trains with loss parity against eager, or the mode refuses it with 
 
 import pytest
 
-from ortflow.check import check
+from ortflow.cli.check import check
 from ortflow.errors import OrtflowError
 from tests.conftest import REPO
 
@@ -124,7 +124,7 @@ def test_a_loss_that_does_not_fit_the_model_or_data_is_refused_before_training(o
 
 def test_ortflow_check_prints_one_table_and_writes_json(tmp_path, capfd, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
-    from ortflow.check import main
+    from ortflow.cli.check import main
 
     out = tmp_path / "check.json"
     main(["model=custom", "model._target_=tests.zoo.mlp", *DIGITS, "--steps", "2", "--out", str(out)])

@@ -10,8 +10,8 @@ import torch
 from omegaconf import DictConfig
 
 from ortflow.accel.engine import EngineContext, WithLoss
-from ortflow.batch import Layout
-from ortflow.loss import EvalResult, Loss
+from ortflow.step.batch import Layout
+from ortflow.step.loss import EvalResult, Loss
 
 NAME = "tiny"
 

@@ -96,8 +96,8 @@ class OptunaSweeper(Sweeper):
     def sweep(self, arguments: list[str]) -> None:
         from optuna.trial import TrialState
 
-        from ortflow import pruning
-        from ortflow.metadata import read_record
+        from ortflow.run import pruning
+        from ortflow.run.metadata import read_record
 
         fixed, choices = [], {}
         for override in OverridesParser.create().parse_overrides(arguments):

@@ -21,17 +21,17 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow import terminal
 from ortflow.accel import compat
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.none import debug_problems
 from ortflow.accel.rewrites import MaskSampler, Rewrites, prepare_training_graph
-from ortflow.batch import Inputs, Layout
 from ortflow.config import OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
-from ortflow.loss import EvalResult, Loss
 from ortflow.ranges import ranged
+from ortflow.report import terminal
+from ortflow.step.batch import Inputs, Layout
+from ortflow.step.loss import EvalResult, Loss
 
 log = logging.getLogger(__name__)
 

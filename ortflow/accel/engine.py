@@ -9,9 +9,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ortflow.batch import Inputs, Layout, layout_of, pad_rows
 from ortflow.errors import OrtflowError
-from ortflow.loss import CrossEntropy, EvalResult, Loss
+from ortflow.step.batch import Inputs, Layout, layout_of, pad_rows
+from ortflow.step.loss import CrossEntropy, EvalResult, Loss
 
 
 def _no_wrappers(module: nn.Module) -> nn.Module:

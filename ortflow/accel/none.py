@@ -12,10 +12,10 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ortflow.accel.engine import EngineContext, WithLoss
-from ortflow.batch import Inputs, Layout
 from ortflow.config import OptimConfig
-from ortflow.loss import EvalResult, Loss
-from ortflow.optim import build_torch_optimizer
+from ortflow.step.batch import Inputs, Layout
+from ortflow.step.loss import EvalResult, Loss
+from ortflow.step.optim import build_torch_optimizer
 
 log = logging.getLogger(__name__)
 

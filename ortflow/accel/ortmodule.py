@@ -21,18 +21,18 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow import terminal
 from ortflow.accel import compat, fed_dropout
 from ortflow.accel.engine import EngineContext, WithLoss, pad_batch, pad_eval_batch
 from ortflow.accel.extensions import ensure_built
 from ortflow.accel.none import EagerEngine
 from ortflow.accel.rewrites import DropoutMask, MaskSampler, Rewrites, draw_masks
-from ortflow.batch import Inputs, Layout
 from ortflow.config import DebugConfig
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
-from ortflow.loss import EvalResult
 from ortflow.ranges import ranged
+from ortflow.report import terminal
+from ortflow.step.batch import Inputs, Layout
+from ortflow.step.loss import EvalResult
 
 log = logging.getLogger(__name__)
 

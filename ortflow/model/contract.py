@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ortflow.batch import Inputs, describe, layout_of
 from ortflow.errors import OrtflowError
-from ortflow.loss import Loss
+from ortflow.step.batch import Inputs, describe, layout_of
+from ortflow.step.loss import Loss
 
 # Differences below this (relative to the outputs' scale) count as rounding, not as samples interacting.
 _MIX_TOLERANCE = 1e-4

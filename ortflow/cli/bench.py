@@ -33,9 +33,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ortflow.accel.extensions import ensure_built
-from ortflow.bench_worker import MODES
-from ortflow.plots import plot_scaling
-from ortflow.profile import total_ms
+from ortflow.cli.bench_worker import MODES
+from ortflow.report.plots import plot_scaling
+from ortflow.report.profile import total_ms
 
 
 def matmul_peak_gflops(n: int = 1024, repeats: int = 20) -> dict[str, float]:
@@ -81,7 +81,7 @@ def _timed(fn) -> float:
 
 
 def run_worker(mode: str, steps: int, warmup: int, overrides: list[str], profile: bool = False) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "ortflow.bench_worker", *(["--profile"] if profile else [])]
+    cmd = [sys.executable, "-m", "ortflow.cli.bench_worker", *(["--profile"] if profile else [])]
     cmd += [mode, str(steps), str(warmup), *overrides]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     for line in result.stdout.splitlines():

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ortflow.batch import Layout, layout_of, split_batch
 from ortflow.data import Data
 from ortflow.errors import OrtflowError, root_reason
+from ortflow.step.batch import Layout, layout_of, split_batch
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record as record_errors
 
-from ortflow import distributed, launch, preflight
+from ortflow import distributed, preflight
 from ortflow.config import register_configs
 from ortflow.errors import OrtflowError
-from ortflow.metadata import read_record
 from ortflow.paths import config_dir
-from ortflow.signals import Interrupted, Preempted
-from ortflow.summary import print_summary
+from ortflow.report.summary import print_summary
+from ortflow.run import launch
+from ortflow.run.metadata import read_record
+from ortflow.run.signals import Interrupted, Preempted
 from ortflow.validate import validate
 
 log = logging.getLogger("ortflow")
@@ -51,7 +52,7 @@ def _user_error(err: OrtflowError, sweeping: bool) -> float:
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
 def _main(cfg: DictConfig) -> float:
-    from ortflow.runner import train
+    from ortflow.run.runner import train
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)

@@ -14,20 +14,23 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ortflow import accel, checkpoint, distributed, export, loss, pruning, terminal
+from ortflow import accel, distributed
 from ortflow.accel.engine import Engine, EngineContext
-from ortflow.batch import Inputs, split_batch
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
 from ortflow.errors import OrtflowError, is_allocation_failure
-from ortflow.logger import RunLogger
 from ortflow.model import OUTPUT_KEY, select_output, sequence_first
 from ortflow.model.contract import check_builder_result, check_model
-from ortflow.rundir import RunDir
-from ortflow.seeding import seed_everything
-from ortflow.signals import Interrupted, Preempted, interrupt_on_signals
-from ortflow.trainer import fast_dev_run, train_loop
+from ortflow.report import terminal
+from ortflow.report.logger import RunLogger
+from ortflow.run import checkpoint, export, pruning
+from ortflow.run.rundir import RunDir
+from ortflow.run.seeding import seed_everything
+from ortflow.run.signals import Interrupted, Preempted, interrupt_on_signals
+from ortflow.run.trainer import fast_dev_run, train_loop
+from ortflow.step import loss
+from ortflow.step.batch import Inputs, split_batch
 from ortflow.validate import validate
 
 log = logging.getLogger(__name__)

@@ -12,14 +12,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ortflow.accel.engine import Engine
-from ortflow.batch import batch_size, split_batch
 from ortflow.config import OnNonFinite, OptimConfig, SchedulerConfig, StopMode, TrainerConfig
 from ortflow.errors import OrtflowError
-from ortflow.logger import RunLogger
-from ortflow.loss import EvalResult
-from ortflow.scheduler import lr_at
-from ortflow.seeding import seed_step
-from ortflow.signals import Preempted, stop_on_sigterm
+from ortflow.report.logger import RunLogger
+from ortflow.run.seeding import seed_step
+from ortflow.run.signals import Preempted, stop_on_sigterm
+from ortflow.step.batch import batch_size, split_batch
+from ortflow.step.loss import EvalResult
+from ortflow.step.scheduler import lr_at
 
 log = logging.getLogger(__name__)
 

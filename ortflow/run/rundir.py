@@ -18,15 +18,16 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ortflow import checkpoint, distributed
+from ortflow import distributed
 from ortflow.accel.engine import Engine
 from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
 from ortflow.errors import OrtflowError
-from ortflow.launch import SHARED_RUN_DIR
-from ortflow.logger import write_json_atomic
-from ortflow.metadata import flatten, now, read_record, start_record
-from ortflow.trainer import LoopState
+from ortflow.report.logger import write_json_atomic
+from ortflow.run import checkpoint
+from ortflow.run.launch import SHARED_RUN_DIR
+from ortflow.run.metadata import flatten, now, read_record, start_record
+from ortflow.run.trainer import LoopState
 
 log = logging.getLogger(__name__)
 

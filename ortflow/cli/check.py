@@ -22,15 +22,16 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from ortflow import accel, terminal
-from ortflow.batch import layout_of, split_batch
+from ortflow import accel
 from ortflow.config import register_configs
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.model.probe import training_forward_probe
 from ortflow.paths import compose_config, config_dir
-from ortflow.runner import build_data, build_model, engine_context
-from ortflow.seeding import seed_everything, seed_step
+from ortflow.report import terminal
+from ortflow.run.runner import build_data, build_model, engine_context
+from ortflow.run.seeding import seed_everything, seed_step
+from ortflow.step.batch import layout_of, split_batch
 from ortflow.validate import problems
 
 # Every accel mode the config tree offers (conf/accel/*.yaml), eager first: it is the reference.

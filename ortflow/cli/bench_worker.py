@@ -1,4 +1,4 @@
-"""One benchmark measurement in its own process: `python -m ortflow.bench_worker [--profile] MODE STEPS WARMUP
+"""One benchmark measurement in its own process: `python -m ortflow.cli.bench_worker [--profile] MODE STEPS WARMUP
 [OVERRIDES]`.
 
 Prints one JSON line. A process per measurement gives each mode its own peak memory and a cold first step.
@@ -20,20 +20,20 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from ortflow import loss
-from ortflow import profile as profiling
 from ortflow.accel import compat
 from ortflow.accel.engine import Engine
-from ortflow.batch import layout_of
 from ortflow.config import register_configs
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
-from ortflow.logger import RunLogger
-from ortflow.loss import EvalResult, Loss
 from ortflow.paths import compose_config
-from ortflow.runner import _build, build_data, build_engine, example_batch
-from ortflow.seeding import seed_everything
-from ortflow.trainer import train_loop
+from ortflow.report import profile as profiling
+from ortflow.report.logger import RunLogger
+from ortflow.run.runner import _build, build_data, build_engine, example_batch
+from ortflow.run.seeding import seed_everything
+from ortflow.run.trainer import train_loop
+from ortflow.step import loss
+from ortflow.step.batch import layout_of
+from ortflow.step.loss import EvalResult, Loss
 from ortflow.validate import validate
 
 # torch.compile is a reference point, not an accel mode: the eager engine around a compiled model.

@@ -18,18 +18,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ortflow import loss
-from ortflow.batch import layout_of, split_batch
 from ortflow.errors import OrtflowError
-from ortflow.loss import EvalResult
-from ortflow.metadata import read_record
+from ortflow.run.metadata import read_record
+from ortflow.step import loss
+from ortflow.step.batch import layout_of, split_batch
+from ortflow.step.loss import EvalResult
 
 TEXT_BUILDER = "ortflow.data.text.build_text_data"
 
 
 def load_run(run_dir: Path, weights: str, text: Path | None) -> tuple[DictConfig, Any, nn.Module, Path]:
     """The run's config, data (its own, or `text` for a text run), and model with the chosen weights."""
-    from ortflow.runner import build_data, build_model
+    from ortflow.run.runner import build_data, build_model
 
     record = read_record(run_dir)
     if not record or "config" not in record:

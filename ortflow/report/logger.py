@@ -12,7 +12,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ortflow.config import LoggerConfig
-from ortflow.terminal import console
+from ortflow.report.terminal import console
 
 log = logging.getLogger(__name__)
 
