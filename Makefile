@@ -8,6 +8,8 @@ PYTHON ?= python3
 # torch: the default end of the supported range in .venv; the other end in .venv-torch<version> (make test-range).
 TORCH ?= 2.14.1
 RANGE_TORCH ?= 2.6.0
+# torchvision is built for one torch release: torch 2.N -> torchvision 0.(N+15).
+TORCHVISION = 0.$(shell echo $$(( $(word 2,$(subst ., ,$(TORCH))) + 15 ))).*
 VENV ?= .venv
 # What test-range runs on the other end: every engine, parity, resume, custom-Function and distributed test.
 RANGE_TESTS ?= tests/test_compat.py tests/test_engines.py tests/test_zoo.py tests/test_resume.py \
@@ -26,7 +28,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if (3, 11) <= sys.version_info[:2] <= (3, 12) else "ortflow needs Python 3.11 or 3.12: onnxruntime-training 1.19.2 has no wheels for others (set PYTHON=python3.12, ...)")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install -e ".[dev]" "torch==$(TORCH)"
+	$(BIN)/python -m pip install -e ".[dev]" "torch==$(TORCH)" "torchvision==$(TORCHVISION)"
 	touch $@
 
 # ORTModule's C++ extensions: built once per environment (4-10 min on 2 cores), skipped when present.
