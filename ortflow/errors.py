@@ -1,18 +1,40 @@
-"""The one error type for problems a user can cause and fix (config, recipe, data, checkpoint)."""
+"""The user-error types (config, recipe, data, model, checkpoint, run dir) and helpers.
+
+Every problem a user can cause and fix is an `OrtflowError`, or one of its subclasses naming what it is about; the
+CLI prints its message as one paragraph and exits with status 2, the Python API raises it. Internal bugs are never
+wrapped in these types, so they keep their traceback.
+"""
 
 
 class OrtflowError(Exception):
-    """A user-fixable problem. The CLI prints its message as one paragraph and exits with status 2.
+    """A user-fixable problem: its message is one paragraph naming the key or file and the fix."""
 
-    Internal bugs are never wrapped in this type, so they keep their traceback.
-    """
+
+class ConfigError(OrtflowError):
+    """A config value, recipe or override that cannot run (the message names the key)."""
+
+
+class DataError(OrtflowError):
+    """A data source, data file, tokenizer or prepared token store that cannot be used (names the file)."""
+
+
+class ModelError(OrtflowError):
+    """A model the builder returns that breaks the model contract, or that an engine cannot train correctly."""
+
+
+class CheckpointError(OrtflowError):
+    """A checkpoint that cannot be read, is corrupt, or does not fit the run continuing it (names the file)."""
+
+
+class RunDirError(OrtflowError):
+    """A run dir that cannot be used: owned by another process, foreign, unwritable, or full."""
 
 
 def collect(problems: list[str], header: str) -> None:
-    """Raise one OrtflowError listing every problem at once, or return if there are none."""
+    """Raise one ConfigError listing every problem at once, or return if there are none."""
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
-        raise OrtflowError(f"{header}\n{lines}")
+        raise ConfigError(f"{header}\n{lines}")
 
 
 def root_reason(err: BaseException) -> str:
