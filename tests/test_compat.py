@@ -38,7 +38,12 @@ def test_patches_are_keyed_on_the_torch_version():
         return [patch.name for patch in compat_torch.needed(version, cpu_only)]
 
     assert names((2, 6)) == names((2, 8)) == []  # the Python side broke in 2.9
-    assert names((2, 9)) == ["alias_moved_onnx_modules", "stub_removed_beartype", "torchscript_export_for_ortmodule"]
+    assert names((2, 9)) == [
+        "alias_moved_onnx_modules",
+        "stub_removed_beartype",
+        "torchscript_export_for_ortmodule",
+        "alias_moved_convolution_symbolics",
+    ]
     assert names((2, 6), cpu_only=True) == ["no_nvtx_ranges_on_cpu_builds"]
     assert names((2, 13), cpu_only=True) == [patch.name for patch in compat_torch.PATCHES]
     assert [patch.name for patch in compat_cpp.needed((2, 6))] == ["dirty_inputs_by_grad_fn"]  # ORT's own bug

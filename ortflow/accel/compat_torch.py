@@ -92,6 +92,15 @@ def _torchscript_export_for_ort() -> None:
     torch.onnx.export = export
 
 
+def _alias_moved_convolution_symbolics() -> None:
+    from torch.onnx import symbolic_opset9
+    from torch.onnx._internal.torchscript_exporter import symbolic_opset9 as moved
+
+    for name in ("_convolution", "_convolution_mode"):
+        if not hasattr(symbolic_opset9, name):
+            setattr(symbolic_opset9, name, getattr(moved, name))
+
+
 def _no_nvtx_ranges() -> None:
     from onnxruntime.training.utils import torch_profile_utils
 
@@ -119,6 +128,13 @@ PATCHES = (
         "torch.onnx.export defaults to the torch.export-based exporter; ORTModule's graph needs the TorchScript "
         "one (dynamo=False)",
         _torchscript_export_for_ort,
+    ),
+    Patch(
+        "alias_moved_convolution_symbolics",
+        (2, 9),
+        "torch.onnx.symbolic_opset9 no longer re-exports the private _convolution and _convolution_mode; "
+        "ORTModule's Conv symbolics import them, so every nn.Conv* failed to export",
+        _alias_moved_convolution_symbolics,
     ),
     Patch(
         "no_nvtx_ranges_on_cpu_builds",
