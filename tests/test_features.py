@@ -25,7 +25,7 @@ WEIGHT_TOL = {"none": 1e-5, "ortmodule": 1e-5, "artifacts": 1e-4}
 
 def run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, Path]:
     run_dir = tmp_path / name
-    metrics = train(make_cfg(*DIGITS, *overrides), run_dir)
+    metrics = train(make_cfg(*DIGITS, *overrides), run_dir).metrics
     return metrics, run_dir
 
 

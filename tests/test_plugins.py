@@ -21,7 +21,7 @@ PLUGIN = f"hydra.searchpath=[file://{TESTS / 'plugin'}]"
 def test_a_fourth_engine_is_one_module_and_one_yaml(tmp_path):
     cfg = make_cfg(PLUGIN, "accel=tiny", "optim=sgd", "optim.weight_decay=0", *TINY, "trainer.checkpoint.every=3")
     assert problems(cfg) == []
-    metrics = train(cfg, tmp_path / "run")
+    metrics = train(cfg, tmp_path / "run").metrics
     assert metrics["executed_by"] == "tiny"
     record = OmegaConf.load(tmp_path / "run" / "run.json")
     assert record.engine.tiny_steps == 6 and record.status == "completed"

@@ -25,6 +25,7 @@ from ortflow.errors import OrtflowError
 from ortflow.paths import config_dir
 from ortflow.report.summary import print_summary
 from ortflow.run import launch
+from ortflow.run.guard import claim, owns_its_dir
 from ortflow.run.metadata import read_record
 from ortflow.run.signals import Interrupted, Preempted
 from ortflow.validate import validate
@@ -73,8 +74,11 @@ def _main(cfg: DictConfig) -> float:
         if not sweeping and not distributed.world_from_env().rank:
             print_summary(run_dir, time.monotonic() - started)
 
+    lock = None
     try:
-        metrics = train(cfg, run_dir, overrides)
+        if sweeping and owns_its_dir():  # a single run's dir was claimed before Hydra wrote (RunDirGuard)
+            lock = claim(run_dir, cfg.trainer.resume, sweep_job=True)
+        metrics = train(cfg, run_dir, overrides).metrics
     except Preempted as err:
         summary()
         # A clean stop (exit status 0) that a scheduler can requeue; a sweep stops here too, resumable as a whole.
@@ -100,6 +104,9 @@ def _main(cfg: DictConfig) -> float:
             raise
         log.exception("job %s failed", hydra_cfg.job.num)  # recorded in run.json; the sweep goes on
         return float("nan")
+    finally:
+        if lock is not None:
+            lock.release()
     summary()
     return metrics[cfg.objective]
 

@@ -2,30 +2,23 @@
 run's checkpoints, run.json (from "running" to how the run ended) and the history of earlier attempts, and keeps
 what an earlier attempt wrote. Only rank 0 writes; other ranks restore the same state and write nothing.
 
-The Hydra callback `RunDirGuard` refuses, before Hydra writes anything, a new run in a dir that holds a run.
+Whether a dir may be used at all, and by whom, is decided before anything is written into it (ortflow/run/guard.py).
 """
 
 import dataclasses
 import logging
-import os
-import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ortflow import distributed
 from ortflow.accel.engine import Engine
 from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
 from ortflow.errors import OrtflowError
 from ortflow.report.logger import write_json_atomic
 from ortflow.run import checkpoint
-from ortflow.run.launch import SHARED_RUN_DIR
 from ortflow.run.metadata import flatten, now, read_record, start_record
 from ortflow.run.trainer import LoopState
 
@@ -247,35 +240,3 @@ class RunDir:
         """Record how the run ended ("completed", "failed", "preempted") with the given fields."""
         self.record |= {"status": status, "finished": now(), **fields}
         self._write_record()
-
-
-class RunDirGuard(Callback):
-    """Before Hydra writes anything into a single run's dir: refuse a dir that already holds a run unless the run
-    resumes it (trainer.resume), and then keep a copy of the earlier attempt's .hydra/ (Hydra rewrites it)."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        run_dir = Path(config.hydra.run.dir)
-        if os.environ.get(SHARED_RUN_DIR) or distributed.world_from_env().rank:
-            return  # ranks started by ortflow share its run dir; ranks other than 0 leave the dir to rank 0
-        if run_dir.exists() and not run_dir.is_dir():
-            print(
-                f"ortflow: error: hydra.run.dir='{run_dir}' exists and is not a directory; name a new directory.",
-                file=sys.stderr,
-                flush=True,
-            )
-            sys.exit(2)
-        if not holds_a_run(run_dir):
-            return
-        reusable = never_trained(run_dir)  # a failed start: the corrected command may use the same dir
-        if OmegaConf.select(config, "trainer.resume", default=None) is None and not reusable:
-            print(
-                f"ortflow: error: the run dir '{run_dir}' already holds a run, and ortflow never writes over one. "
-                "Continue that run with trainer.resume=auto, or start a new one in another dir (leave out "
-                "hydra.run.dir for a fresh timestamped one).",
-                file=sys.stderr,
-                flush=True,
-            )
-            sys.exit(2)
-        if (run_dir / ".hydra").is_dir():
-            n = 1 + sum(1 for _ in run_dir.glob(".hydra-attempt-*"))
-            shutil.copytree(run_dir / ".hydra", run_dir / f".hydra-attempt-{n}")

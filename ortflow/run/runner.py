@@ -5,6 +5,7 @@ EngineContext; the run dir (checkpoints, run.json, resume) belongs to one RunDir
 """
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +160,23 @@ def _debug_verbose(cfg: DictConfig) -> bool:
     return getattr(level, "value", level) in ("INFO", "VERBOSE")
 
 
-def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    """Train as `cfg` says, writing everything under `run_dir`; return the final metrics.
+@dataclass
+class TrainOutcome:
+    """What a finished run hands back: its final metrics (plus executed_by and run_dir), the torch model holding the
+    trained weights (an ORT engine's weights copied back into it), and the data it trained on."""
+
+    metrics: dict[str, Any]
+    model: nn.Module
+    data: Data
+
+
+def tokenizer_of(data: Data) -> Any:
+    """The tokenizer text data was encoded with, for encoding prompts and decoding outputs (None for other data)."""
+    return getattr(data, "tokenizer_object", None)
+
+
+def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> TrainOutcome:
+    """Train as `cfg` says, writing everything under `run_dir`; return the final metrics, model and data.
 
     run.json records the run from its start (status "running") to its end ("completed", "failed" or
     "preempted"); a resumed run keeps the earlier attempts' records under "attempts".
@@ -183,7 +199,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
             world = distributed.start(cfg.distributed)
             run.open(cfg.trainer.resume, cfg.trainer.checkpoint.keep, world)
             try:
-                metrics, results = _train(cfg, run, overrides, world)
+                metrics, results, model, data = _train(cfg, run, overrides, world)
             except (MemoryError, RuntimeError) as err:
                 if not is_allocation_failure(err):
                     raise
@@ -205,10 +221,12 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
         execution["executed_by"],
         run_dir,
     )
-    return {**metrics, "executed_by": execution["executed_by"], "run_dir": str(run_dir)}
+    return TrainOutcome({**metrics, "executed_by": execution["executed_by"], "run_dir": str(run_dir)}, model, data)
 
 
-def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> tuple[dict[str, Any], dict[str, Any]]:
+def _train(
+    cfg: DictConfig, run: RunDir, overrides: list[str], world: World
+) -> tuple[dict[str, Any], dict[str, Any], nn.Module, Data]:
     seed_everything(cfg.seed)
     data = build_data(cfg)
     model = build_model(cfg, data)  # the same initial weights on every rank
@@ -268,9 +286,11 @@ def _train(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> 
         logger.hparams(hparams, {k: v for k, v in metrics.items() if isinstance(v, float)})
     finally:
         logger.close()
+    final = engine.model_state_dict()
+    model.load_state_dict(final)  # the torch model holds the trained weights (an ORT engine's copied back)
     if not cfg.trainer.fast_dev_run:
-        run.write_final(engine.model_state_dict())
+        run.write_final(final)
     results["engine"] = execution
     if cfg.export.onnx and world.is_main:
-        results["export"] = export.inference_onnx(model, engine.model_state_dict(), data, run.path, cfg.export.opset)
-    return metrics, results
+        results["export"] = export.inference_onnx(model, final, data, run.path, cfg.export.opset)
+    return metrics, results, model, data
