@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -234,7 +235,32 @@ def patch_ortmodule() -> None:
     GraphExecutionManager._get_session_config = session_config_with_threads
     GraphTransitionManager._get_exported_model = staticmethod(get_exported_with_masks)
     GraphTransitionManager._infer_shapes = staticmethod(infer_shapes)
+    _capture_only_real_streams()
     _patched = True
+
+
+def _has_descriptor(stream) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return False
+    return True
+
+
+def _capture_only_real_streams() -> None:
+    """ORTModule captures native output during its first export by duplicating sys.stdout's and sys.stderr's file
+    descriptors. A Jupyter kernel's streams have none (fileno() raises), and ORT's clean-up then fails with a
+    TypeError that hides the cause: there, the capture is skipped and ORT's native output goes where it would."""
+    from onnxruntime.training.ortmodule import _logger
+
+    capture = _logger._suppress_os_stream_output
+
+    @contextlib.contextmanager
+    def capture_if_possible(enable=True, on_exit=None):
+        with capture(enable=enable and _has_descriptor(sys.stdout) and _has_descriptor(sys.stderr), on_exit=on_exit):
+            yield
+
+    _logger._suppress_os_stream_output = capture_if_possible
 
 
 @contextlib.contextmanager
