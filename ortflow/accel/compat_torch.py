@@ -93,12 +93,13 @@ def _torchscript_export_for_ort() -> None:
 
 
 def _alias_moved_convolution_symbolics() -> None:
-    from torch.onnx import symbolic_opset9
-    from torch.onnx._internal.torchscript_exporter import symbolic_opset9 as moved
-
+    # By module name: the package attribute torch.onnx.symbolic_opset9 may be the moved module, not the shim that
+    # `from torch.onnx.symbolic_opset9 import ...` reads.
+    shim = importlib.import_module("torch.onnx.symbolic_opset9")
+    moved = importlib.import_module("torch.onnx._internal.torchscript_exporter.symbolic_opset9")
     for name in ("_convolution", "_convolution_mode"):
-        if not hasattr(symbolic_opset9, name):
-            setattr(symbolic_opset9, name, getattr(moved, name))
+        if not hasattr(shim, name):
+            setattr(shim, name, getattr(moved, name))
 
 
 def _no_nvtx_ranges() -> None:
