@@ -5,37 +5,52 @@ time to first step (export + session creation; ORTModule's extension build exclu
 model FLOP utilisation against a matmul peak measured in the same run, and the runner's overhead two ways: "vs
 bare" compares ortflow's loop with a bare hand-written loop on the same engine (alternating pairs; as noisy as
 two timings), "outside" is the time ortflow's loop spends outside the engine's calls, relative to the time inside
-them, measured in the same steps. Prints a table and writes JSON. A benchmark, not a test: it asserts no speed.
+them, measured in the same steps. A benchmark, not a test: it asserts no speed.
 
-    ortflow-bench                                    # transformer recipe, all modes, 3 repeats
-    ortflow-bench --sweep model.d_model=64,128,256   # scaling with model width
-    ortflow-bench --sweep data.batch_size=16,32,64 --modes none,ortmodule
+Each measurement runs in its own process and times about --budget seconds of steps, however large the model:
+the first step (export, session creation, compilation) and a few warm-up steps are left out, single steps are
+timed until the step time is known, and that decides how many steps fit (--steps N fixes the count instead).
+The JSON file is rewritten after every measurement with everything so far, so a stopped bench keeps what it
+finished and `--resume FILE` runs only the rest. Other libraries' notices go to a log beside it (FILE.log).
+
+    ortflow-bench                                    # transformer recipe, all modes, 2 repeats
+    ortflow-bench model.d_model=512 model.num_layers=4 data.block_size=128 data.batch_size=16
+    ortflow-bench --sweep model.d_model=128,256,512 model.num_layers=4   # scaling with model width: table, PNG
     ortflow-bench --sweep model.d_model=64,128,256 --sweep data.batch_size=16,32,64   # one PNG, a panel per sweep
+    ortflow-bench --resume outputs/bench/2026-11-24_10-00-00.json   # continue a stopped bench
     ortflow-bench --profile                          # top operators per step: ORT's profiler beside torch.profiler
     ortflow-bench --modes 'none,ortmodule,ortmodule:accel.rewrite_gathers=false;accel.allow_spinning=true'
                                                      # a mode with its own overrides: before/after in one run
 """
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import platform
-import statistics
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
-from ortflow.accel.extensions import ensure_built
-from ortflow.cli.bench_worker import MODES
+from ortflow.report import terminal
+from ortflow.report.bench_tables import Reporter, profile_table, short, summarize, table
 from ortflow.report.plots import plot_scaling
-from ortflow.report.profile import total_ms
+
+# torch.compile is a reference point, not an accel mode: the eager engine around a compiled model.
+MODES = ("none", "ortmodule", "artifacts", "compile")
+FORMAT = 1  # the JSON file's layout, for --resume
 
 
 def matmul_peak_gflops(n: int = 1024, repeats: int = 20) -> dict[str, float]:
@@ -57,7 +72,8 @@ def matmul_peak_gflops(n: int = 1024, repeats: int = 20) -> dict[str, float]:
     spec = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [n, n]) for name in ("a", "b", "c")]
     graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "matmul", spec[:2], spec[2:])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=onnx.IR_VERSION_2023_5_5)
-    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with terminal.native_stderr("onnxruntime"):
+        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     feeds = {"a": a.numpy(), "b": b.numpy()}
     out = np.empty((n, n), np.float32)
     binding = session.io_binding()
@@ -80,159 +96,405 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_worker(mode: str, steps: int, warmup: int, overrides: list[str], profile: bool = False) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "ortflow.cli.bench_worker", *(["--profile"] if profile else [])]
-    cmd += [mode, str(steps), str(warmup), *overrides]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    for line in result.stdout.splitlines():
-        if line.startswith("ORTFLOW-BENCH "):
-            return json.loads(line.removeprefix("ORTFLOW-BENCH "))
-    lines = [x for x in result.stderr.splitlines() if x.strip()]
-    return {"mode": mode, "error": lines[-1][:200] if lines else f"exit code {result.returncode}"}
+@dataclass(frozen=True)
+class Measurement:
+    """One worker process of the bench: a mode in a setting, the `repeat`-th time (1-based)."""
+
+    index: int  # position in the plan, 1-based
+    setting: str  # "key=value" of a --sweep, or "-"
+    mode: str
+    repeat: int
+    repeats: int
+
+    def key(self) -> tuple[str, str, int]:
+        return self.setting, self.mode, self.repeat
+
+    def label(self) -> str:
+        where = "" if self.setting == "-" else f"{self.setting}: "
+        return f"{where}{self.mode}, repeat {self.repeat}/{self.repeats}"
 
 
-def summarize(runs: list[dict[str, Any]], peak_gflops: float) -> list[dict[str, Any]]:
-    """One row per (setting, mode): medians over repeats and the ratio to eager in the same setting."""
-    rows = []
-    for setting in dict.fromkeys(r["setting"] for r in runs):
-        mine = [r for r in runs if r["setting"] == setting]
-        for mode in dict.fromkeys(r["mode"] for r in mine):
-            ok = [r for r in mine if r["mode"] == mode and "error" not in r]
-            row: dict[str, Any] = {"setting": setting, "mode": mode, "repeats": len(ok)}
-            if not ok:
-                row["error"] = next(r["error"] for r in mine if r["mode"] == mode)
-                rows.append(row)
-                continue
-            sps = [r["samples_per_s"] for r in ok]
-            median = statistics.median(sps)
-            row |= {
-                "executed_by": ok[0]["executed_by"],
-                "samples_per_s": median,
-                "samples_per_s_min": min(sps),
-                "samples_per_s_max": max(sps),
-                "first_step_s": statistics.median(r["first_step_s"] for r in ok),
-                "peak_rss_mb": max(r["peak_rss_mb"] for r in ok),
-                "runner_overhead": statistics.median(r["runner_overhead"] for r in ok),
-                "loop_outside_engine": statistics.median(r["loop_outside_engine"] for r in ok),
-                "mfu": ok[0]["flops_per_step"] * median / ok[0]["batch_size"] / (peak_gflops * 1e9),
-            }
-            rows.append(row)
-        eager = next((r for r in rows if r["setting"] == setting and r["mode"] == "none" and "error" not in r), None)
-        for r in rows:
-            if r["setting"] == setting and eager and "error" not in r:
-                r["vs_eager"] = r["samples_per_s"] / eager["samples_per_s"]
-    return rows
+def plan(args: argparse.Namespace) -> list[Measurement]:
+    """Every measurement of the bench in the order they run: per setting, the modes alternate, each repeat
+    starting one mode later (no mode always runs first); --profile measures each mode once."""
+    modes = args.modes.split(",")
+    repeats = 1 if args.profile else args.repeats
+    out = []
+    for setting in settings_of(args):
+        for repeat in range(repeats):
+            for mode in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:
+                out.append(Measurement(len(out) + 1, setting, mode, repeat + 1, repeats))
+    return out
 
 
-def table(rows: list[dict[str, Any]], title: str) -> Table:
-    t = Table(title=title)
-    columns = (
-        "setting",
-        "mode",
-        "samples/s (min-max)",
-        "x eager",
-        "first step",
-        "peak RSS",
-        "MFU",
-        "vs bare",
-        "outside",
-    )
-    for col in columns:
-        t.add_column(col, justify="left" if col in ("setting", "mode") else "right")
-    for r in rows:
-        if "error" in r:
-            t.add_row(r["setting"], r["mode"], f"failed: {r['error']}", *[""] * 6)
-            continue
-        t.add_row(
-            r["setting"],
-            r["mode"],
-            f"{r['samples_per_s']:.0f} ({r['samples_per_s_min']:.0f}-{r['samples_per_s_max']:.0f})",
-            f"{r['vs_eager']:.2f}" if "vs_eager" in r else "-",
-            f"{r['first_step_s']:.1f} s",
-            f"{r['peak_rss_mb']:.0f} MB",
-            f"{100 * r['mfu']:.1f}%",
-            f"{100 * r['runner_overhead']:+.1f}%",
-            f"{100 * r['loop_outside_engine']:.2f}%",
-        )
-    return t
+def settings_of(args: argparse.Namespace) -> list[str]:
+    """Each --sweep KEY=V1,V2 as KEY=V1, KEY=V2 (the sweeps one after another, not crossed), or "-" without."""
+    settings = [f"{key}={v}" for key, _, values in (x.partition("=") for x in args.sweep) for v in values.split(",")]
+    return settings or ["-"]
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def mode_config(spec: str, overrides: list[str]) -> Any:
+    """The config of mode `spec` (a mode, optionally with its own overrides: `ortmodule:k=v;k2=v2`) on top of
+    `overrides`; compile is the eager engine (the worker compiles the model)."""
+    from ortflow.paths import compose_config
+
+    mode, _, own = spec.partition(":")
+    accel = "none" if mode == "compile" else mode
+    return compose_config([*overrides, f"accel={accel}", *filter(None, own.split(";")), "logger.progress=false"])
+
+
+def overrides_for(args: argparse.Namespace, setting: str) -> list[str]:
+    return [f"+recipe={args.recipe}", *args.overrides, *([setting] if setting != "-" else [])]
+
+
+def run_worker(args: argparse.Namespace, m: Measurement, log: Path) -> dict[str, Any]:
+    """Measurement `m` in a fresh process whose output goes to `log`; its result, or {"error": ...}."""
+    with tempfile.TemporaryDirectory(prefix="ortflow-bench-result-") as tmp:
+        result_file = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "ortflow.cli.bench_worker", "--result", str(result_file)]
+        cmd += ["--budget", str(args.budget), "--min-steps", str(args.min_steps), "--warmup", str(args.warmup)]
+        cmd += [*(["--steps", str(args.steps)] if args.steps else []), *(["--profile"] if args.profile else [])]
+        cmd += [m.mode, *overrides_for(args, m.setting)]
+        env = os.environ | {"ORTFLOW_BENCH_PARENT": str(os.getpid())}
+        with open(log, "ab") as out:
+            out.write(f"\n==== measurement {m.index}: {m.label()} ({' '.join(cmd[2:])})\n".encode())
+            out.flush()
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env)
+            out.write(f"==== pid {proc.pid}\n".encode())
+            out.flush()
+            try:
+                code = proc.wait()
+            except BaseException:  # the bench is being stopped: so is its measurement
+                _stop(proc)
+                raise
+        if result_file.is_file():
+            return json.loads(result_file.read_text())
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    return {"mode": m.mode, "error": f"the measurement's process ended without a result ({how})"}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _parser(defaults: bool = True) -> argparse.ArgumentParser:
+    """The command line; with defaults=False, an option left out is absent from the result (what --resume compares
+    against the bench it continues)."""
     p = argparse.ArgumentParser(
-        prog="ortflow-bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog="ortflow-bench",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+        argument_default=None if defaults else argparse.SUPPRESS,
     )
-    p.add_argument("--recipe", default="transformer", help="recipe to benchmark (default: transformer)")
-    p.add_argument(
+
+    def arg(*names: str, default: Any = None, **kw: Any) -> None:
+        p.add_argument(*names, **kw, **({"default": default} if defaults else {}))
+
+    arg("--recipe", default="transformer", help="recipe to benchmark (default: transformer)")
+    arg(
         "--modes",
         default=",".join(MODES),
         help=f"comma-separated, from {','.join(MODES)}; MODE:k=v;k2=v2 gives a mode its own overrides",
     )
-    p.add_argument("--steps", type=int, default=30, help="timed training steps per measurement")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps after the first one")
-    p.add_argument("--repeats", type=int, default=3, help="measurements per mode (modes alternate)")
-    p.add_argument(
+    arg("--budget", type=float, default=8.0, help="seconds of timed steps per measurement (default 8)")
+    arg("--min-steps", type=int, default=5, help="timed steps per pass at least, however slow a step (default 5)")
+    arg("--steps", type=int, default=None, help="timed steps per pass, instead of choosing them from --budget")
+    arg("--warmup", type=int, default=2, help="untimed steps after the first one (default 2)")
+    arg("--repeats", type=int, default=2, help="measurements per mode, modes alternating (default 2)")
+    arg(
         "--sweep",
         action="append",
         default=[],
         help="KEY=V1,V2,...: repeat everything for each value (scaling); may be given more than once; writes a PNG",
     )
-    p.add_argument(
+    arg(
         "--profile",
         action="store_true",
+        default=False,
         help="instead of timing: each mode's top operators per step, ORT's profiler beside torch.profiler",
     )
-    p.add_argument("--top", type=int, default=10, help="operators shown per mode with --profile (JSON keeps all)")
-    p.add_argument("--out", type=Path, default=None, help="JSON file (default: outputs/bench/<time>.json)")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run, e.g. model.num_layers=4")
-    return p.parse_args(argv)
+    arg("--top", type=int, default=10, help="operators shown per mode with --profile (JSON keeps all)")
+    arg("--out", type=Path, default=None, help="JSON file (default: outputs/bench/<time>.json; its log beside it)")
+    arg("--resume", type=Path, default=None, help="continue the bench in this JSON file, with its arguments")
+    arg("overrides", nargs="*", default=[], help="Hydra overrides applied to every run, e.g. model.num_layers=4")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked: positive counts, --sweep as KEY=V1,V2, overrides as KEY=VALUE, known modes."""
+    p = _parser()
+    args = p.parse_intermixed_args(argv)
+    for name in ("budget", "min_steps", "warmup", "repeats", "steps", "top"):
+        value = getattr(args, name)
+        if value is not None and (value < 0 if name == "warmup" else value <= 0):
+            p.error(f"--{name.replace('_', '-')} {value}: must be {'>= 0' if name == 'warmup' else '> 0'}")
+    for sweep in args.sweep:
+        key, eq, values = sweep.partition("=")
+        if not key or not eq or not all(values.split(",")):
+            p.error(f"--sweep {sweep}: expected KEY=V1,V2,... (e.g. --sweep model.d_model=128,256,512)")
+    for override in args.overrides:
+        if "=" not in override and not override.startswith("~"):
+            p.error(f"{override}: overrides are KEY=VALUE (e.g. model.num_layers=4); --sweep takes KEY=V1,V2,...")
+    unknown = sorted({m for m in args.modes.split(",") if m.partition(":")[0] not in MODES})
+    if unknown:
+        p.error(f"--modes: unknown mode(s) {unknown}; choose from {','.join(MODES)}")
+    return args
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def resumed_args(argv: list[str] | None, record: dict[str, Any], path: Path) -> argparse.Namespace:
+    """The arguments of the bench in `record` (read from `path`). Arguments given beside --resume must be the
+    same as the bench's: a bench continued with others would mix two benchmarks in one table."""
+    saved = record["args"]
+    given = vars(_parser(defaults=False).parse_intermixed_args(argv))
+    given.pop("resume", None)
+    if "out" in given and Path(given["out"]).resolve() == path.resolve():
+        given.pop("out")
+    differ = {k: v for k, v in given.items() if _jsonable(v) != saved.get(k)}
+    if differ:
+
+        def show(key: str, value: Any) -> str:
+            if key == "overrides":
+                return "overrides " + (" ".join(value) or "(none)")
+            return f"--{key.replace('_', '-')} {' '.join(value) if isinstance(value, list) else value}"
+
+        raise SystemExit(
+            f"ortflow-bench: error: --resume {path}: "
+            + "; ".join(f"{show(k, v)} differs from the bench's {show(k, saved.get(k))}" for k, v in differ.items())
+            + ". A resumed bench runs with the arguments it started with (they are in the file): leave these out, "
+            "or start a new bench without --resume."
+        )
+    args = argparse.Namespace(**{**saved, "out": path, "resume": path})
+    args.sweep, args.overrides = list(args.sweep), list(args.overrides)
+    return args
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    """A bench's JSON file, for --resume.
+
+    Raises:
+        SystemExit: the file is missing, is not a bench's JSON, or is from another machine or software version."""
+    try:
+        record = json.loads(path.read_text())
+    except OSError as err:
+        raise SystemExit(f"ortflow-bench: error: --resume {path}: cannot read it ({err.strerror}).") from None
+    except ValueError as err:
+        raise SystemExit(f"ortflow-bench: error: --resume {path}: not JSON ({err}).") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT or "args" not in record:
+        raise SystemExit(
+            f"ortflow-bench: error: --resume {path}: not a file ortflow-bench can continue (it has no "
+            f"format {FORMAT} record of its arguments); start a new bench."
+        )
+    here = machine_facts()
+    changed = [k for k in ("cpu", "torch", "onnxruntime") if record.get("machine", {}).get(k) != here[k]]
+    if changed:
+        then = ", ".join(f"{k} {record.get('machine', {}).get(k)}" for k in changed)
+        raise SystemExit(
+            f"ortflow-bench: error: --resume {path}: it was measured with {then}; here it is "
+            f"{', '.join(f'{k} {here[k]}' for k in changed)}. Numbers from both would not compare: start a new bench."
+        )
+    return record
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Replace `path` by `record` in one step (a temporary file renamed over it): a bench killed at any moment
+    leaves the previous complete file, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # stopping waits for the rename
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
+            json.dump(record, tmp, indent=2)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp.name, path)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+class Stopped(Exception):
+    """SIGTERM (or SIGINT) arrived: the bench stops after killing its running measurement."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT raise Stopped, so that the running measurement's process is ended with the bench."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _log_to(log: Path) -> Iterator[None]:
+    """Inside: this process's log records and other libraries' warnings go to `log` only (the workers write their
+    output there too); afterwards, logging and warnings' display are as they were."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    handler = logging.FileHandler(log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    level, showwarning = root.level, warnings.showwarning
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    try:
+        terminal.quiet_import("torch.utils.cpp_extension")  # its CUDA_HOME notice; `import onnxruntime` imports it
+        yield
+    finally:
+        if warnings.showwarning is not showwarning:
+            logging.captureWarnings(False)
+        root.removeHandler(handler)
+        root.setLevel(level)
+        handler.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    modes = args.modes.split(",")
-    unknown = sorted({m for m in modes if m.partition(":")[0] not in MODES})
-    if unknown:
-        raise SystemExit(f"ortflow-bench: unknown mode(s) {unknown}; choose from {MODES}")
-    if any(m.startswith("ortmodule") for m in modes):
+    stamp = f"{datetime.now():%Y-%m-%d_%H-%M-%S}"
+    out = args.resume or args.out or Path("outputs") / "bench" / f"{'profile-' if args.profile else ''}{stamp}.json"
+    console = Console(width=None if sys.stdout.isatty() else 140, highlight=False, soft_wrap=True)  # paths whole
+    with _log_to(out.with_suffix(".log")):
+        record = None
+        if args.resume:
+            record = read_record(args.resume)
+            args = resumed_args(argv, record, args.resume)
+        args.out = out
+        check_configs(args)
+        run_bench(args, record, console)
+    console.print(f"written: {out}")
+
+
+def run_bench(args: argparse.Namespace, record: dict[str, Any] | None, console: Console) -> None:
+    """Every measurement of the plan not in `record` yet (a new bench: None), the JSON file rewritten after each;
+    then the table (or the profiles) and, with --sweep, the PNG.
+
+    Raises:
+        SystemExit: stopped by SIGTERM or SIGINT (128 + the signal), after ending the running measurement."""
+    measurements, log = plan(args), args.out.with_suffix(".log")
+    if record is None:
+        record = {"format": FORMAT, "args": _jsonable(vars(args)), "machine": machine_facts(), "complete": False}
+        record["planned"] = len(measurements)
+    runs: list[dict[str, Any]] = record.setdefault("profiles" if args.profile else "runs", [])
+    finished = {(r["setting"], r["mode"], r["repeat"]) for r in runs}
+    todo = [m for m in measurements if m.key() not in finished]
+    if args.resume:
+        record["resumed"] = record.get("resumed", 0) + 1
+        console.print(f"resuming {args.out}: {len(runs)} of {len(measurements)} measurements done, {len(todo)} to run")
+    if not args.profile:
+        record.setdefault("matmul_peaks_gflops", matmul_peak_gflops())
+        console.print(f"fp32 matmul peak: {_peaks_text(record['matmul_peaks_gflops'])}")
+    if any(m.mode.startswith("ortmodule") for m in todo):
+        from ortflow.accel.extensions import ensure_built
+
         ensure_built()  # the one-time build is not part of any measurement
-    console = Console(width=None if sys.stdout.isatty() else 140)
-    settings = [f"{key}={v}" for key, _, values in (x.partition("=") for x in args.sweep) for v in values.split(",")]
-    settings = settings or [""]
+    write_record(args.out, record)
+    console.print(f"results: {args.out} (rewritten after each measurement), log: {log}")
+    reporter = Reporter(console, todo, runs, log)
+    try:
+        with _stop_on_signals():
+            for m in todo:
+                reporter.start(m)
+                start = time.monotonic()
+                run = run_worker(args, m, log)
+                run |= {"setting": m.setting, "mode": m.mode, "repeat": m.repeat, "index": m.index}
+                run["wall_s"] = time.monotonic() - start
+                runs.append(run)
+                if not args.profile:
+                    record["rows"] = summarize(runs, max(record["matmul_peaks_gflops"].values()))
+                write_record(args.out, record)
+                reporter.end(m, run)
+    except Stopped as stopped:
+        reporter.close()
+        console.print(
+            f"stopped ({stopped}): {len(runs)} of {len(measurements)} measurements are in {args.out}; "
+            f"continue with: ortflow-bench --resume {args.out}"
+        )
+        raise SystemExit(128 + stopped.signum) from None
+    reporter.close()
     if args.profile:
-        profile_modes(args, modes, settings, console)
-        return
-    peaks = matmul_peak_gflops()
-    console.print(f"fp32 matmul peak: {_peaks_text(peaks)}")
-    runs = []
-    for setting in settings:
-        overrides = [f"+recipe={args.recipe}", *args.overrides, *([setting] if setting else [])]
-        for repeat in range(args.repeats):
-            for mode in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:  # rotate the order
-                console.print(f"[dim]{setting or 'recipe defaults'}: {mode}, repeat {repeat + 1}/{args.repeats}[/dim]")
-                runs.append({**run_worker(mode, args.steps, args.warmup, overrides), "setting": setting or "-"})
-    peaks = {k: max(v, after) for (k, v), after in zip(peaks.items(), matmul_peak_gflops().values(), strict=True)}
+        finish_profile(args, record, console)
+    else:
+        finish(args, record, console)
+    record["complete"] = True
+    write_record(args.out, record)
+
+
+def finish(args: argparse.Namespace, record: dict[str, Any], console: Console) -> None:
+    """The table (and with --sweep, the PNG) from every measurement, MFU against the best matmul peak measured."""
+    after = matmul_peak_gflops()
+    peaks = {k: max(v, after[k]) for k, v in record["matmul_peaks_gflops"].items()}
     peak = max(peaks.values())
     console.print(
         f"fp32 matmul peak, best of before and after the runs: {_peaks_text(peaks)}; MFU is against {peak:.0f}"
     )
-    rows = summarize(runs, peak)
-    machine = machine_facts()
-    console.print(table(rows, f"ortflow-bench: +recipe={args.recipe}, {args.steps} steps x {args.repeats} repeats"))
+    record |= {"matmul_peaks_gflops": peaks, "matmul_peak_gflops": peak, "rows": summarize(record["runs"], peak)}
+    machine = record["machine"]
+    how = f"{args.steps} steps" if args.steps else f"{args.budget:g} s of steps"
+    console.print(table(record["rows"], f"ortflow-bench: +recipe={args.recipe}, {how} x {args.repeats} repeats"))
     console.print(f"machine: {describe_machine(machine)}")
-    out = args.out or Path("outputs") / "bench" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {
-        "args": vars(args) | {"out": str(out)},
-        "machine": machine,
-        "matmul_peak_gflops": peak,
-        "matmul_peaks_gflops": peaks,
-        "rows": rows,
-    }
-    out.write_text(json.dumps(report | {"runs": runs}, indent=2))
-    console.print(f"written: {out}")
     if args.sweep:
         title = f"ortflow-bench +recipe={args.recipe}: {describe_machine(machine)}"
-        console.print(f"written: {plot_scaling(rows, out.with_suffix('.png'), title)}")
+        png = plot_scaling(record["rows"], args.out.with_suffix(".png"), title)
+        record["png"] = str(png)
+        console.print(f"written: {png}")
+
+
+def finish_profile(args: argparse.Namespace, record: dict[str, Any], console: Console) -> None:
+    for result in record["profiles"]:
+        setting = "" if result["setting"] == "-" else result["setting"] + ": "
+        if "error" in result:
+            console.print(f"{setting}{result['mode']}: failed: {short(result['error'])}")
+            continue
+        title = (
+            f"{setting}{result['mode']} (executed by {result['executed_by']}), "
+            f"{result['step_ms']:.1f} ms/step under the profilers, {result['steps']} steps"
+        )
+        console.print(profile_table(result, args.top, title))
+
+
+def check_configs(args: argparse.Namespace) -> None:
+    """Compose and validate every setting x mode's config before any measurement: a typo in an override fails
+    here, in a second, instead of in every worker.
+
+    Raises:
+        SystemExit: a config does not compose or validate (the message names the setting and mode)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ortflow.config import register_configs
+    from ortflow.errors import OrtflowError
+    from ortflow.paths import compose_config
+    from ortflow.validate import validate
+
+    register_configs()
+    for setting in settings_of(args):
+        for spec in args.modes.split(","):
+            mode, _, own = spec.partition(":")
+            accel = "none" if mode == "compile" else mode
+            try:
+                validate(
+                    compose_config([*overrides_for(args, setting), f"accel={accel}", *filter(None, own.split(";"))])
+                )
+            except (OrtflowError, HydraException, OmegaConfBaseException) as err:
+                where = f"{'' if setting == '-' else setting + ', '}mode {spec}"
+                raise SystemExit(f"ortflow-bench: error: {where}: {err}") from None
 
 
 def cpu_name() -> str:
@@ -265,58 +527,6 @@ def machine_facts() -> dict[str, Any]:
         "onnxruntime": onnxruntime.__version__,
         "python": platform.python_version(),
     }
-
-
-def profile_table(result: dict[str, Any], top: int, title: str) -> Table:
-    """ORT's operators beside torch's for one mode, top `top` of each by time per step."""
-    t = Table(title=title)
-    for col in ("ORT operator", "ms/step", "calls", "torch operator", "ms/step ", "calls "):
-        t.add_column(col, justify="left" if "operator" in col else "right")
-    ort, torch_ = result.get("ort_ops", []), result.get("torch_ops", [])
-
-    def cells(rows: list[dict[str, Any]], i: int) -> list[str]:
-        if i >= len(rows):
-            return ["", "", ""]
-        r = rows[i]
-        op = f"{r['op']} [dim](ORT ran inside)[/dim]" if r.get("ort_run") else r["op"]
-        return [op, f"{r['ms_per_step']:.2f}", f"{r['calls_per_step']:g}"]
-
-    for i in range(min(top, max(len(ort), len(torch_)))):
-        t.add_row(*cells(ort, i), *cells(torch_, i))
-    t.add_row(
-        "[bold]all ORT kernels[/bold]" if ort else "(no ORT session)",
-        f"{total_ms(ort):.2f}" if ort else "",
-        "",
-        "[bold]all torch operators (self, ORT's runs left out)[/bold]",
-        f"{total_ms(torch_):.2f}",
-        "",
-    )
-    return t
-
-
-def profile_modes(args: argparse.Namespace, modes: list[str], settings: list[str], console: Console) -> None:
-    """`--profile`: one profiled measurement per (setting, mode), printed side by side, full lists in the JSON."""
-    results = []
-    for setting in settings:
-        overrides = [f"+recipe={args.recipe}", *args.overrides, *([setting] if setting else [])]
-        for mode in modes:
-            console.print(f"[dim]{setting or 'recipe defaults'}: profiling {mode}[/dim]")
-            result = run_worker(mode, args.steps, args.warmup, overrides, profile=True)
-            results.append(result | {"setting": setting or "-"})
-            if "error" in result:
-                console.print(f"{mode}: failed: {result['error']}")
-                continue
-            title = (
-                f"{setting + ': ' if setting else ''}{mode} (executed by {result['executed_by']}), "
-                f"{result['step_ms']:.1f} ms/step under the profilers, {args.steps} steps"
-            )
-            console.print(profile_table(result, args.top, title))
-    out = args.out or Path("outputs") / "bench" / f"profile-{datetime.now():%Y-%m-%d_%H-%M-%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps({"args": vars(args) | {"out": str(out)}, "machine": machine_facts(), "profiles": results}, indent=2)
-    )
-    console.print(f"written: {out}")
 
 
 if __name__ == "__main__":

@@ -118,10 +118,18 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str = "") -> Path:
     return out
 
 
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def plot_scaling(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path:
     """ortflow-bench's sweeps as one PNG: a panel per swept key, samples/s of each mode against the key's values
     (median over repeats, the min-max range as error bars). `rows` are the bench's summary rows, whose
-    `setting` is `key=value`."""
+    `setting` is `key=value`. Numeric values go on a log2 axis when all are positive (widths, batch sizes), on a
+    linear one otherwise; other values (`true`, `adamw`) are categories in the order swept."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -132,17 +140,23 @@ def plot_scaling(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path
     FigureCanvasAgg(fig)
     for i, key in enumerate(keys):
         ax = fig.add_subplot(1, len(keys), i + 1)
+        texts = list(dict.fromkeys(r["setting"].partition("=")[2] for r in swept if r["setting"].startswith(key + "=")))
+        numbers = [_number(t) for t in texts]
+        numeric = all(n is not None for n in numbers)
+        position = dict(zip(texts, numbers if numeric else range(len(texts)), strict=True))
         for j, mode in enumerate(modes):
             mine = [r for r in swept if r["mode"] == mode and r["setting"].partition("=")[0] == key]
-            values = [float(r["setting"].partition("=")[2]) for r in mine]
+            values = [position[r["setting"].partition("=")[2]] for r in mine]
             median = [r["samples_per_s"] for r in mine]
             low = [m - r["samples_per_s_min"] for m, r in zip(median, mine, strict=True)]
             high = [r["samples_per_s_max"] - m for m, r in zip(median, mine, strict=True)]
             ax.errorbar(values, median, yerr=[low, high], color=COLORS[j % len(COLORS)], marker="o", capsize=3,
                         label=mode)  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([float(r["setting"].partition("=")[2]) for r in swept if r["setting"].startswith(key + "=")])
-        ax.get_xaxis().set_major_formatter("{x:g}")
+        if numeric and all(n > 0 for n in numbers):
+            ax.set_xscale("log", base=2)
+        elif not numeric:
+            ax.set_xlim(-0.5, len(texts) - 0.5)
+        ax.set_xticks(list(position.values()), texts)
         ax.set_xlabel(key)
         ax.set_ylabel("samples/s")
         ax.set_ylim(bottom=0)

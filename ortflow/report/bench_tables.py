@@ -1,0 +1,203 @@
+"""What ortflow-bench shows: the summary rows (medians over repeats, the ratio to eager, MFU) and their table, the
+per-operator tables of --profile, and a line as each measurement starts and ends, with the bench's elapsed time
+and ETA (on a terminal also a bar for the whole bench; elsewhere plain lines)."""
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ortflow.report.profile import total_ms
+
+
+class Planned(Protocol):
+    """A measurement of the plan, as the progress lines need it."""
+
+    index: int
+    mode: str
+
+    def label(self) -> str: ...
+
+
+def summarize(runs: list[dict[str, Any]], peak_gflops: float) -> list[dict[str, Any]]:
+    """One row per (setting, mode): medians over repeats and the ratio to eager in the same setting."""
+    rows = []
+    for setting in dict.fromkeys(r["setting"] for r in runs):
+        mine = [r for r in runs if r["setting"] == setting]
+        for mode in dict.fromkeys(r["mode"] for r in mine):
+            ok = [r for r in mine if r["mode"] == mode and "error" not in r]
+            row: dict[str, Any] = {"setting": setting, "mode": mode, "repeats": len(ok)}
+            if not ok:
+                row["error"] = next(r["error"] for r in mine if r["mode"] == mode)
+                rows.append(row)
+                continue
+            sps = [r["samples_per_s"] for r in ok]
+            median = statistics.median(sps)
+            row |= {
+                "executed_by": ok[0]["executed_by"],
+                "samples_per_s": median,
+                "samples_per_s_min": min(sps),
+                "samples_per_s_max": max(sps),
+                "steps": statistics.median(r.get("steps", 0) for r in ok),
+                "passes": ok[0].get("passes"),
+                "first_step_s": statistics.median(r["first_step_s"] for r in ok),
+                "peak_rss_mb": max(r["peak_rss_mb"] for r in ok),
+                "runner_overhead": statistics.median(r["runner_overhead"] for r in ok),
+                "loop_outside_engine": statistics.median(r["loop_outside_engine"] for r in ok),
+                "mfu": ok[0]["flops_per_step"] * median / ok[0]["batch_size"] / (peak_gflops * 1e9),
+            }
+            rows.append(row)
+        eager = next((r for r in rows if r["setting"] == setting and r["mode"] == "none" and "error" not in r), None)
+        for r in rows:
+            if r["setting"] == setting and eager and "error" not in r:
+                r["vs_eager"] = r["samples_per_s"] / eager["samples_per_s"]
+    return rows
+
+
+def table(rows: list[dict[str, Any]], title: str) -> Table:
+    t = Table(title=title)
+    columns = (
+        "setting",
+        "mode",
+        "samples/s (min-max)",
+        "x eager",
+        "timed steps",
+        "first step",
+        "peak RSS",
+        "MFU",
+        "vs bare",
+        "outside",
+    )
+    for col in columns:
+        t.add_column(col, justify="left" if col in ("setting", "mode") else "right")
+    for r in rows:
+        if "error" in r:
+            t.add_row(r["setting"], r["mode"], f"failed: {short(r['error'])}", *[""] * (len(columns) - 3))
+            continue
+        t.add_row(
+            r["setting"],
+            r["mode"],
+            f"{r['samples_per_s']:.0f} ({r['samples_per_s_min']:.0f}-{r['samples_per_s_max']:.0f})",
+            f"{r['vs_eager']:.2f}" if "vs_eager" in r else "-",
+            f"{r['passes']} x {r['steps']:.0f}" if r.get("passes") else "-",
+            f"{r['first_step_s']:.1f} s",
+            f"{r['peak_rss_mb']:.0f} MB",
+            f"{100 * r['mfu']:.1f}%",
+            f"{100 * r['runner_overhead']:+.1f}%",
+            f"{100 * r['loop_outside_engine']:.2f}%",
+        )
+    return t
+
+
+def short(error: str, limit: int = 160) -> str:
+    line = error.strip().splitlines()[0] if error.strip() else error
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _clock(seconds: float) -> str:
+    seconds = round(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+class Reporter:
+    """What a person watches: a line as each measurement starts and ends (setting, mode, repeat, samples/s, the
+    bench's elapsed time and ETA); on a terminal also a bar for the whole bench. The ETA adds, for each measurement
+    left, the mean duration of the finished ones of its mode (of all, for a mode not yet measured); `done` are the
+    measurements of earlier sessions of a resumed bench, whose durations count too."""
+
+    def __init__(self, console: Console, todo: list[Planned], done: list[dict[str, Any]], log: Path) -> None:
+        self.console, self.todo, self.done, self.log = console, list(todo), list(done), log
+        self.total = len(todo) + len(done)
+        self.elapsed_before = sum(r.get("wall_s", 0.0) for r in done)
+        self.started = time.monotonic()
+        self.bar: Progress | None = None
+        if console.is_terminal and todo:
+            self.bar = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[eta]}"),
+                console=console,
+                transient=True,
+            )
+            self.task = self.bar.add_task("", total=self.total, completed=len(done), eta="")
+            self.bar.start()
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.monotonic() - self.started
+
+    def eta(self) -> float | None:
+        """Seconds the measurements left should take, from the finished ones' durations (None before any)."""
+        by_mode: dict[str, list[float]] = {}
+        for r in self.done:
+            if "wall_s" in r:
+                by_mode.setdefault(r["mode"], []).append(r["wall_s"])
+        if not by_mode:
+            return None
+        overall = statistics.mean(t for times in by_mode.values() for t in times)
+        return sum(statistics.mean(by_mode.get(m.mode, [overall])) for m in self.todo)
+
+    def start(self, m: Planned) -> None:
+        self._line(f"[{m.index}/{self.total}] {m.label()} ...")
+        if self.bar:
+            self.bar.update(self.task, description=m.label())
+
+    def end(self, m: Planned, run: dict[str, Any]) -> None:
+        self.done.append(run)
+        self.todo.remove(m)
+        eta = self.eta() if self.todo else None
+        when = f"bench {_clock(self.elapsed())}" + (f", ETA {_clock(eta)}" if eta is not None else "")
+        if "error" in run:
+            what = f"failed: {short(run['error'])} (see {self.log})"
+        elif "ort_ops" in run:
+            what = f"profiled {run['steps']} steps, {run['step_ms']:.1f} ms/step under the profilers"
+        else:
+            what = (
+                f"{run['samples_per_s']:.0f} samples/s ({run['passes']} x {run['steps']} steps timed, "
+                f"first step {run['first_step_s']:.1f} s)"
+            )
+        self._line(f"[{m.index}/{self.total}] {m.label()}: {what} in {run['wall_s']:.0f} s; {when}")
+        if self.bar:
+            self.bar.update(self.task, advance=1, eta=f"ETA {_clock(eta)}" if eta is not None else "")
+
+    def _line(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)  # above the bar while it shows
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.stop()
+
+
+def profile_table(result: dict[str, Any], top: int, title: str) -> Table:
+    """ORT's operators beside torch's for one mode, top `top` of each by time per step."""
+    t = Table(title=title)
+    for col in ("ORT operator", "ms/step", "calls", "torch operator", "ms/step ", "calls "):
+        t.add_column(col, justify="left" if "operator" in col else "right")
+    ort, torch_ = result.get("ort_ops", []), result.get("torch_ops", [])
+
+    def cells(rows: list[dict[str, Any]], i: int) -> list[str]:
+        if i >= len(rows):
+            return ["", "", ""]
+        r = rows[i]
+        op = f"{r['op']} [dim](ORT ran inside)[/dim]" if r.get("ort_run") else r["op"]
+        return [op, f"{r['ms_per_step']:.2f}", f"{r['calls_per_step']:g}"]
+
+    for i in range(min(top, max(len(ort), len(torch_)))):
+        t.add_row(*cells(ort, i), *cells(torch_, i))
+    t.add_row(
+        "[bold]all ORT kernels[/bold]" if ort else "(no ORT session)",
+        f"{total_ms(ort):.2f}" if ort else "",
+        "",
+        "[bold]all torch operators (self, ORT's runs left out)[/bold]",
+        f"{total_ms(torch_):.2f}",
+        "",
+    )
+    return t
