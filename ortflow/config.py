@@ -77,6 +77,44 @@ class DiabetesDataConfig:
     num_workers: int = ranged(0, Ge(0))
 
 
+class ImageCrop(Enum):
+    random_resized = "random_resized"  # RandomResizedCrop to image_size, covering crop_scale of the image's area
+    center = "center"  # the evaluation crop: shorter side resized to `resize`, center crop of image_size
+
+
+@dataclass
+class ImageDataConfig:
+    """The keys data=images and data=image_folder share: batches and transforms (torchvision references' and
+    timm's vocabulary)."""
+
+    _target_: str = MISSING
+    image_size: int = ranged(32, Interval(ge=8, le=4096))  # side of the square images the model gets
+    resize: int | None = ranged(None, Ge(1))  # evaluation: shorter side before the center crop; null = image_size
+    crop: ImageCrop = ImageCrop.center  # the training crop
+    crop_scale: list[float] = ranged([0.08, 1.0], Len(2, 2), each=Interval(gt=0, le=1))  # random_resized's area share
+    hflip: float = ranged(0.5, Interval(ge=0, le=1))  # training: probability of a horizontal flip
+    mean: list[float] = ranged([0.485, 0.456, 0.406], Len(3, 3))  # per-channel Normalize (RGB)
+    std: list[float] = ranged([0.229, 0.224, 0.225], Len(3, 3), each=Gt(0))
+    batch_size: int = ranged(64, Interval(ge=1, le=65536))
+    seed: int = ranged(SI("${seed}"), SEED)  # seeds the training order and augmentation (data=images: the drawing)
+    num_workers: int = ranged(0, Ge(0))
+
+
+@dataclass
+class ImagesDataConfig(ImageDataConfig):
+    _target_: str = "ortflow.data.images.embedded.build_images_data"
+    train_images: int = ranged(5000, Ge(1))  # drawn images, classes balanced
+    val_images: int = ranged(1000, Ge(1))
+    noise: float = ranged(0.08, Interval(ge=0, le=1))  # standard deviation of the pixel noise (intensities 0..1)
+
+
+@dataclass
+class ImageFolderDataConfig(ImageDataConfig):
+    _target_: str = "ortflow.data.images.folder.build_image_folder_data"
+    root: str = MISSING  # the folder holding train/<class>/<images> and val/<class>/<images>
+    verify: bool = True  # read every image's header before training (a bad file stops the run at start-up)
+
+
 # ------------------------------------------------------------------------------------------------------ loss
 @dataclass
 class CrossEntropyLossConfig:
@@ -248,7 +286,13 @@ class Config:
 # engine module declares its own (ortflow/accel/<mode>.py: Settings).
 _SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"transformer": TransformerModelConfig, "mlp": MLPModelConfig},
-    "data": {"text": TextDataConfig, "digits": DigitsDataConfig, "diabetes": DiabetesDataConfig},
+    "data": {
+        "text": TextDataConfig,
+        "digits": DigitsDataConfig,
+        "diabetes": DiabetesDataConfig,
+        "images": ImagesDataConfig,
+        "image_folder": ImageFolderDataConfig,
+    },
     "loss": {"cross_entropy": CrossEntropyLossConfig, "mse": MSELossConfig, "bce_with_logits": BCEWithLogitsLossConfig},
 }
 

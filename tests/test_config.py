@@ -36,6 +36,7 @@ def test_every_group_option_composes(override):
         "model=mlp": ["data=digits"],  # the MLP takes digits' 64 features, not token ids
         "data=custom": ["data._target_=tests.zoo.masked_text"],
         "data=diabetes": ["model=mlp", "loss=mse"],
+        "data=image_folder": ["data.root=/any/folder"],  # the user's folder is required
         "loss=custom": ["loss._target_=tests.zoo.mean_abs_error"],
         "loss=mse": ["objective=eval/mae"],
     }
