@@ -42,6 +42,24 @@ class MLPModelConfig:
     dropout: float = ranged(0.0, PROBABILITY)
 
 
+@dataclass
+class ResNetModelConfig:
+    _target_: str = "ortflow.model.resnet.build_resnet"
+    num_classes: int = ranged(10, Ge(1))
+    in_channels: int = ranged(3, Ge(1))  # 3 for RGB images (data=images and data=image_folder give RGB)
+    width: int = ranged(16, Ge(1))  # channels of the first stage; each later stage doubles them
+    blocks: list[int] = ranged([1, 1, 1], Len(1, 8), each=Ge(1))  # BasicBlocks per stage (CIFAR ResNet-20: [3, 3, 3])
+
+
+@dataclass
+class TorchvisionModelConfig:
+    _target_: str = "ortflow.model.torchvision_models.build_torchvision"
+    name: str = "resnet18"  # a torchvision.models builder (torchvision.models.list_models()) or class name
+    num_classes: int = ranged(10, Ge(1))
+    weights: str | None = None  # null: random init, no download; a weights name (e.g. DEFAULT) downloads them
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the builder's other keyword arguments
+
+
 # ------------------------------------------------------------------------------------------------------ data
 @dataclass
 class TextDataConfig:
@@ -285,7 +303,12 @@ class Config:
 # `- /schema/<group>/<option>@_here_`, so `ortflow --help` lists only the real options under <group>. Each accel
 # engine module declares its own (ortflow/accel/<mode>.py: Settings).
 _SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"transformer": TransformerModelConfig, "mlp": MLPModelConfig},
+    "model": {
+        "transformer": TransformerModelConfig,
+        "mlp": MLPModelConfig,
+        "resnet": ResNetModelConfig,
+        "torchvision": TorchvisionModelConfig,
+    },
     "data": {
         "text": TextDataConfig,
         "digits": DigitsDataConfig,
