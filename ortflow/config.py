@@ -34,7 +34,7 @@ class TransformerModelConfig:
 
 
 @dataclass
-class MLPModelConfig:
+class MLPModelConfig(ModelConfig):
     _target_: str = "ortflow.model.mlp.build_mlp"
     in_features: int = ranged(64, Ge(1))  # 8x8 digits
     num_classes: int = ranged(10, Ge(1))  # outputs per sample (1 for one regression target)
@@ -64,14 +64,25 @@ class TorchvisionModelConfig:
 @dataclass
 class TextDataConfig:
     _target_: str = "ortflow.data.text.build_text_data"
-    source: str = "python_docs"  # `python_docs` (embedded corpus) or a path to any local text file
-    block_size: int = ranged(64, Interval(ge=1, le=65536))  # tokens (bytes) per sequence
-    batch_size: int = ranged(32, Interval(ge=1, le=65536))
-    val_fraction: float = ranged(0.1, FRACTION)  # share held out for evaluation, taken from the end of the text
-    seed: int = ranged(SI("${seed}"), SEED)
-    num_workers: int = ranged(0, Ge(0))
-    # Largest data.source file read (bytes; each byte becomes one int64 token in memory, 8x the file's size).
-    max_bytes: int = ranged(256 * 2**20, Ge(1))
+    # `python_docs` (embedded corpus), a text file, a folder of text files, a .jsonl or .parquet file, a dataset saved
+    # with Hugging Face datasets.save_to_disk, or a folder ortflow-prepare wrote. Raw text is prepared once into the
+    # token cache (ortflow/data/prepare.py) and streamed from disk.
+    source: str = "python_docs"
+    # bytes (vocabulary 256) | bpe (trained on the corpus) | a tokenizer.json path | a model in the local HF cache
+    tokenizer: str = "bytes"
+    bpe_vocab_size: int = ranged(8192, Interval(ge=257, le=2**20))  # data.tokenizer=bpe: tokens, separator included
+    # data.tokenizer=bpe: the tokenizer trains on at most this much text, an evenly spread sample of a larger corpus.
+    bpe_train_bytes: int = ranged(100_000_000, Ge(1))
+    text_field: str = "text"  # the field holding the text in JSON lines, parquet and saved datasets
+    cache_dir: str | None = None  # the token cache; null: $XDG_CACHE_HOME/ortflow/tokens or ~/.cache/ortflow/tokens
+    num_proc: int | None = ranged(None, Ge(1))  # processes that encode the corpus; null: the CPUs available
+    # Filled by the runner from the tokenizer (the model's vocabulary follows it); leave null.
+    vocab_size: int | None = ranged(None, Ge(1))
+    block_size: int = ranged(64, Interval(ge=1, le=65536))  # tokens per sequence
+    batch_size: int = ranged(32, Interval(ge=1, le=65536))  # per rank
+    val_fraction: float = ranged(0.1, FRACTION)  # share of the bytes held out for evaluation, taken from the end
+    seed: int = ranged(SI("${seed}"), SEED)  # seeds the training blocks
+    num_workers: int = ranged(0, Ge(0))  # DataLoader workers for the validation windows
     # false: the model is sequence-first (e.g. nn.Transformer layers with batch_first=False and no transpose of its
     # own); it then gets (T, B) token ids and its (T, B, C) outputs are transposed back.
     batch_first: bool = True

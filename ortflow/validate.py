@@ -20,12 +20,18 @@ log = logging.getLogger(__name__)
 
 
 def objectives(cfg: DictConfig) -> tuple[str, ...]:
-    """The metrics a run with this config reports: FINAL_METRICS and its loss's eval metrics."""
+    """The metrics a run with this config reports: FINAL_METRICS, its loss's eval metrics, and its data's (text:
+    eval/bits_per_byte)."""
     try:
         metrics = getattr(get_object(cfg.loss._target_), "metrics", ())
     except Exception:  # a user's loss (or one that does not import: loss.build reports it)
         metrics = ()
-    return (*FINAL_METRICS, *(f"eval/{m}" for m in metrics))
+    from_data = ("eval/bits_per_byte",) if _is_text(cfg.data) else ()
+    return (*FINAL_METRICS, *(f"eval/{m}" for m in metrics), *from_data)
+
+
+def _is_text(data: DictConfig) -> bool:
+    return "_target_" in data and str(data._target_).endswith("build_text_data")
 
 
 def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
@@ -77,7 +83,7 @@ def problems(cfg: DictConfig) -> list[str]:
     found += distributed.problems(cfg.distributed)
     if trainer.resume is not None and not trainer.resume.strip():
         found.append("trainer.resume is empty; use trainer.resume=auto, a checkpoint path, or leave it out.")
-    is_text = "_target_" in data and data._target_.endswith("build_text_data")
+    is_text = _is_text(data)
     model_target = cfg.model.get("_target_", "")
     if is_text and model_target == "ortflow.model.mlp.build_mlp":
         found.append(
@@ -86,8 +92,12 @@ def problems(cfg: DictConfig) -> list[str]:
         )
     if model_target.endswith("build_transformer") and cfg.model.nhead > 0 and cfg.model.d_model % cfg.model.nhead:
         found.append(f"model.nhead={cfg.model.nhead} must divide model.d_model={cfg.model.d_model}.")
-    if is_text and "vocab_size" in cfg.model and cfg.model.vocab_size < 256:
-        found.append(f"model.vocab_size={cfg.model.vocab_size}: byte-level text data needs vocab_size >= 256.")
+    vocab = cfg.model.get("vocab_size")  # null: the tokenizer's (filled once the data is built)
+    if is_text and vocab is not None and data.tokenizer == "bytes" and vocab < 256:
+        found.append(
+            f"model.vocab_size={vocab}: byte-level text data (data.tokenizer=bytes) needs vocab_size >= 256; leave "
+            "it null to follow the data."
+        )
     return found
 
 

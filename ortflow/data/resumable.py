@@ -14,10 +14,14 @@ class ResumableBatches:
     Restoring that position resets the generator to the epoch's start, so the epoch reshuffles into the same order,
     and skips the batches already taken: the next batch is the one an uninterrupted run would get. Without a
     generator on the loader (a DataLoader built with no `generator=`) the order after a resume is not reproduced.
+
+    A stateful source (one with `state_dict`/`load_state_dict`, e.g. ortflow.data.blocks.RandomBlocks) keeps its
+    own position: its batches are passed through and its state is what a checkpoint saves.
     """
 
     def __init__(self, loader: Iterable) -> None:
         self.loader = loader
+        self.stateful = hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")
         self.epoch = 0
         self.index = 0  # batches taken in the current epoch
         self._generator: torch.Generator | None = getattr(loader, "generator", None)
@@ -28,12 +32,16 @@ class ResumableBatches:
     def exact(self) -> bool:
         """Whether a restored position reproduces the uninterrupted order."""
         sampler = getattr(self.loader, "sampler", None)
-        return self._generator is not None or not isinstance(sampler, RandomSampler)
+        return self.stateful or self._generator is not None or not isinstance(sampler, RandomSampler)
 
     def __iter__(self) -> "ResumableBatches":
         return self
 
     def __next__(self) -> Any:
+        if self.stateful:
+            if self._iterator is None:
+                self._iterator = iter(self.loader)
+            return next(self._iterator)
         if self._iterator is None:
             if self._generator is not None:
                 self._epoch_start = self._generator.get_state()
@@ -53,9 +61,15 @@ class ResumableBatches:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
+        if self.stateful:
+            return {"source": self.loader.state_dict()}
         return {"epoch": self.epoch, "index": self.index, "generator": self._epoch_start}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.stateful:
+            self.loader.load_state_dict(state.get("source"))
+            self._iterator = None
+            return
         self.epoch, self.index, self._iterator = state["epoch"], state["index"], None
         if self._generator is not None and state["generator"] is not None:
             self._generator.set_state(state["generator"])

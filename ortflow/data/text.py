@@ -1,82 +1,32 @@
-"""Byte-level language-modelling data from the embedded corpus or any local text file.
+"""Language-model data: any text source, any tokenizer, streamed from a prepared token file.
 
-Bytes are the tokens (vocabulary 256), so any file in any encoding works with no tokenizer to train or ship.
-The embedded corpus is CPython's own documentation text (`pydoc_data.topics`, ~466 KB of English), present
-in every Python installation: no download, identical on every machine.
+`data.source` is raw text (the embedded corpus, a file, a folder, JSON lines, parquet, a saved Hugging Face
+dataset) or a folder `ortflow-prepare` wrote. Raw text is prepared once into the token cache
+(ortflow/data/prepare.py) and reused; the embedded corpus with the byte tokenizer (the default) is tokenized in
+memory instead, so the default run writes nothing outside its run dir. Training draws random blocks from the train
+split through np.memmap (ortflow/data/blocks.py: memory independent of the corpus' size, the position saved in
+checkpoints); evaluation reads a fixed set of windows of the validation split.
 """
 
+import functools
 import logging
 import math
-import stat
 from collections import Counter
-from pathlib import Path
 
-import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from ortflow.data import Data
-from ortflow.errors import OrtflowError
+from ortflow.data.blocks import RandomBlocks, Windows
+from ortflow.data.prepare import PrepareSettings, open_or_prepare
+from ortflow.data.sources import EMBEDDED
+from ortflow.data.store import TokenStore
+from ortflow.data.tokenizer import BYTES
+from ortflow.errors import DataError
 
 log = logging.getLogger(__name__)
 
-VOCAB_SIZE = 256
-EMBEDDED = "python_docs"
-
-
-def _embedded_corpus() -> bytes:
-    from pydoc_data.topics import topics
-
-    return "".join(topics[key] for key in sorted(topics)).encode("utf-8")
-
-
-def _read_file(path: str, max_bytes: int) -> bytes:
-    """The file's bytes, after checking (without opening it) that it is a regular, readable, non-empty file of at
-    most `max_bytes`: a FIFO or a device would block or never end."""
-    file = Path(path).expanduser()
-    try:
-        info = file.stat()
-    except FileNotFoundError:
-        raise OrtflowError(
-            f"data.source: text file '{file}' does not exist. Give an existing file, e.g. "
-            f"data.source=/abs/path/corpus.txt, or data.source={EMBEDDED} for the embedded corpus."
-        ) from None
-    except OSError as err:
-        raise OrtflowError(f"data.source: cannot read text file '{file}': {err.strerror}.") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise OrtflowError(f"data.source: '{file}' is a directory; give one text file.")
-    if not stat.S_ISREG(info.st_mode):
-        raise OrtflowError(
-            f"data.source: '{file}' is not a regular file (a pipe, socket or device would block or never end); "
-            "give a text file on disk."
-        )
-    if info.st_size == 0:
-        raise OrtflowError(f"data.source: text file '{file}' is empty.")
-    if info.st_size > max_bytes:
-        raise OrtflowError(
-            f"data.source: text file '{file}' has {info.st_size:,} bytes, more than data.max_bytes={max_bytes:,} "
-            "(each byte becomes an 8-byte token in memory). Raise data.max_bytes if the machine has the memory, or "
-            "use a smaller file."
-        )
-    try:
-        return file.read_bytes()
-    except OSError as err:
-        raise OrtflowError(f"data.source: cannot read text file '{file}': {err.strerror}.") from None
-
-
-class Windows(Dataset):
-    """Non-overlapping windows of block_size + 1 bytes: input = window[:-1], target = window[1:]."""
-
-    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
-        self.tokens = tokens
-        self.block_size = block_size
-
-    def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.block_size
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = i * self.block_size
-        chunk = self.tokens[start : start + self.block_size + 1]
-        return chunk[:-1], chunk[1:]
+VOCAB_SIZE = 256  # the byte tokenizer's
+__all__ = ["EMBEDDED", "VOCAB_SIZE", "bits_per_byte", "build_text_data", "unigram_entropy"]
 
 
 def unigram_entropy(data: bytes) -> float:
@@ -86,6 +36,14 @@ def unigram_entropy(data: bytes) -> float:
     return -sum(c / n * math.log(c / n) for c in counts.values())
 
 
+def bits_per_byte(metrics: dict[str, float], tokens_per_byte: float) -> dict[str, float]:
+    """eval/bits_per_byte = eval/loss (nats per token) x tokens per byte of the validation split / ln 2: a loss that
+    byte-level and BPE runs on the same text share."""
+    if "eval/loss" not in metrics:
+        return {}
+    return {"eval/bits_per_byte": metrics["eval/loss"] * tokens_per_byte / math.log(2)}
+
+
 def build_text_data(
     source: str,
     block_size: int,
@@ -93,61 +51,91 @@ def build_text_data(
     val_fraction: float,
     seed: int,
     num_workers: int = 0,
-    max_bytes: int = 256 * 2**20,
     batch_first: bool = True,
+    tokenizer: str = BYTES,
+    bpe_vocab_size: int = 8192,
+    bpe_train_bytes: int = 100_000_000,
+    text_field: str = "text",
+    cache_dir: str | None = None,
+    num_proc: int | None = None,
+    vocab_size: int | None = None,
+    max_bytes: int | None = None,
 ) -> Data:
-    """Split a byte stream into train (first part) and validation (last part) windows.
+    """Language-model data from a text source, tokenized by `tokenizer`.
 
     Args:
-        source: `python_docs` for the embedded corpus, or a path to a local text file.
+        source: `python_docs` (the embedded corpus), a text file, a folder, a .jsonl or .parquet file, a saved
+            Hugging Face dataset, or a folder ortflow-prepare wrote.
         block_size: tokens per training sequence.
-        batch_size: sequences per batch.
-        val_fraction: share of the bytes held out for evaluation, taken from the end.
-        seed: seeds the training shuffle (same seed, same batch order).
-        num_workers: DataLoader worker processes.
-        max_bytes: the largest file read (a regular file only; FIFOs and devices are refused before opening).
+        batch_size: sequences per batch (per rank).
+        val_fraction: share of the corpus' bytes held out for evaluation, taken from the end.
+        seed: seeds the training blocks (same seed and position, same batch).
+        num_workers: DataLoader worker processes for the validation windows.
         batch_first: False for a sequence-first model (it gets (T, B) token ids; its outputs are transposed back).
+        tokenizer: `bytes`, `bpe`, or a tokenizer.json path / local Hugging Face cache name.
+        bpe_vocab_size: the BPE tokenizer's vocabulary (tokenizer=bpe).
+        bpe_train_bytes: at most this much text (an evenly spread sample) trains the BPE tokenizer.
+        text_field: the record field holding the text (JSON lines, parquet, datasets).
+        cache_dir: the token cache (null: ~/.cache/ortflow/tokens).
+        num_proc: processes that encode the corpus (null: the CPUs available).
+        vocab_size: leave null: the runner fills it from the tokenizer (the model's vocabulary follows it).
+        max_bytes: ignored (the limit of the former in-memory loader; accepted so that older run dirs load).
 
     Raises:
-        OrtflowError: the file is missing or unreadable, or too small for one train and one val window.
+        DataError: a bad source or tokenizer (named), a corrupt prepared store, too little text for one batch and one
+            validation window, or data.vocab_size set to another vocabulary than the tokenizer's.
     """
-    if not source.strip():
-        raise OrtflowError(f"data.source is empty; give a text file path or data.source={EMBEDDED}.")
-    raw = _embedded_corpus() if source == EMBEDDED else _read_file(source, max_bytes)
-    n_val = int(len(raw) * val_fraction)
-    train_bytes, val_bytes = raw[: len(raw) - n_val], raw[len(raw) - n_val :]
-    need = block_size + 1
-    if len(train_bytes) < need * batch_size or len(val_bytes) < need:
-        raise OrtflowError(
-            f"data.source: '{source}' has {len(raw)} bytes, too few for one training batch of "
-            f"data.batch_size={batch_size} x (data.block_size={block_size} + 1) bytes plus one validation "
-            f"window ({val_fraction:.0%} held out). Use a larger file or lower data.block_size/data.batch_size."
+    del max_bytes
+    settings = PrepareSettings(
+        source, tokenizer, bpe_vocab_size, bpe_train_bytes, val_fraction, text_field, cache_dir, num_proc
+    )
+    store = open_or_prepare(settings)
+    manifest = store.manifest
+    vocab = store.tokenizer.vocab_size
+    if vocab_size is not None and vocab_size != vocab:
+        raise DataError(
+            f"data.vocab_size={vocab_size}, but the tokenizer ({store.tokenizer.kind}) has {vocab} tokens; leave "
+            "data.vocab_size null: it is filled from the tokenizer."
         )
-    to_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).long()  # noqa: E731
-    train_set, val_set = Windows(to_tensor(train_bytes), block_size), Windows(to_tensor(val_bytes), block_size)
-    generator = torch.Generator().manual_seed(seed)
-    train = DataLoader(
-        train_set, batch_size, shuffle=True, drop_last=True, generator=generator, num_workers=num_workers
-    )
+    if len(store.val) < block_size + 1:
+        raise DataError(
+            f"data.source: '{source}' gives {len(store.val):,} validation tokens, too few for one window of "
+            f"data.block_size={block_size} + 1 ({val_fraction:.0%} held out). Use a larger corpus, or lower "
+            "data.block_size."
+        )
+    train = RandomBlocks(store.train, block_size, batch_size, seed)
+    val_set = Windows(store.val, block_size)
     val = DataLoader(val_set, batch_size, shuffle=False, num_workers=num_workers)
-    entropy = unigram_entropy(train_bytes)
-    log.info(
-        "text data '%s': %d train / %d val windows of %d bytes; unigram entropy %.3f nats",
-        source,
-        len(train_set),
-        len(val_set),
-        block_size,
-        entropy,
-    )
+    info = _info(source, store, block_size, len(val_set))
+    log.info("text data: %s", ", ".join(f"{k} {v}" for k, v in info.items()))
     return Data(
         train,
         val,
+        info=info,
         batch_first=batch_first,
-        info={
-            "source": source,
-            "train_windows": len(train_set),
-            "val_windows": len(val_set),
-            "unigram_entropy": entropy,
-            "vocab_size": VOCAB_SIZE,
-        },
+        fingerprint=manifest["fingerprint"],
+        tokenizer=store.tokenizer.identity,
+        tokenizer_object=store.tokenizer,
+        eval_metrics=functools.partial(bits_per_byte, tokens_per_byte=store.tokens_per_byte),
+        run_files=store.run_files(),
     )
+
+
+def _info(source: str, store: TokenStore, block_size: int, val_windows: int) -> dict[str, float | int | str]:
+    manifest = store.manifest
+    entropy = manifest["unigram_entropy"]
+    return {
+        "source": source,
+        "prepared": str(store.path) if store.path else "in memory",
+        "tokenizer": store.tokenizer.kind,
+        "tokenizer_identity": store.tokenizer.identity,
+        "vocab_size": store.tokenizer.vocab_size,
+        "train_tokens": len(store.train),
+        "val_tokens": len(store.val),
+        "val_windows": val_windows,
+        "block_size": block_size,
+        "tokens_per_byte": store.tokens_per_byte,
+        "unigram_entropy": entropy,  # nats per token
+        "unigram_bits_per_byte": entropy * store.tokens_per_byte / math.log(2),
+        "fingerprint": manifest["fingerprint"],
+    }

@@ -25,6 +25,13 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     os.replace(tmp.name, path)
 
 
+def write_bytes_atomic(path: Path, content: bytes) -> None:
+    """Write a file through a temporary file and rename, so a reader never sees half of it."""
+    with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+        tmp.write(content)
+    os.replace(tmp.name, path)
+
+
 def _short(value: float) -> str:
     return f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
 

@@ -86,12 +86,19 @@ def fast_dev_run(cfg: DictConfig) -> DictConfig:
     return OmegaConf.merge(cfg, {"trainer": quick})
 
 
-def evaluate(engine: Engine, loader: Iterable, max_batches: int | None) -> dict[str, float]:
-    """Mean loss and the loss's metrics over (up to max_batches of) the validation split."""
+# Derives more eval metrics from an evaluation's (the data's: eval/bits_per_byte for text, from eval/loss).
+EvalMetrics = Callable[[dict[str, float]], dict[str, float]]
+
+
+def evaluate(
+    engine: Engine, loader: Iterable, max_batches: int | None, derive: EvalMetrics | None = None
+) -> dict[str, float]:
+    """Mean loss and the loss's metrics over (up to max_batches of) the validation split, plus what `derive` adds."""
     total = EvalResult(0.0, 0)
     for batch in itertools.islice(loader, max_batches):
         total = total + engine.eval_step(*split_batch(batch))
-    return total.metrics()
+    metrics = total.metrics()
+    return metrics | derive(metrics) if derive is not None else metrics
 
 
 def _likely_causes(optim: OptimConfig, lr: float, trainer: TrainerConfig) -> str:
@@ -141,6 +148,7 @@ def train_loop(
     watch: str = "eval/loss",
     on_best: Callable[[LoopState], None] | None = None,
     prune: Callable[[int, dict[str, float]], bool] | None = None,
+    eval_metrics: EvalMetrics | None = None,
 ) -> dict[str, Any]:
     """Run optimizer steps from state.step + 1 to trainer.max_steps; return the final metrics.
 
@@ -155,6 +163,7 @@ def train_loop(
             best/<metric> and best/step.
         on_best: called after an evaluation that is the best so far (writes best.pt).
         prune: called after each evaluation in a pruning sweep (ortflow/pruning.py); True ends the run there.
+        eval_metrics: derives more eval metrics from each evaluation's (the data's; e.g. eval/bits_per_byte).
 
     Raises:
         OrtflowError: the loss became NaN or infinite (the message names the step).
@@ -214,7 +223,7 @@ def train_loop(
                 state.window_grad_norm, state.window_grad_n = 0.0, 0
             early_stop = False
             if (trainer.eval_every and step % trainer.eval_every == 0) or step == trainer.max_steps:
-                evaluated = evaluate(engine, val, trainer.eval_batches)
+                evaluated = evaluate(engine, val, trainer.eval_batches, eval_metrics)
                 state.metrics.update(evaluated)
                 if _track_best(state, step, evaluated, watch) and on_best is not None:
                     on_best(state)

@@ -1,0 +1,156 @@
+"""A prepared token store: `manifest.json`, one token file per split and the tokenizer file, in one folder.
+
+The manifest is written last and the folder appears under its final name by one rename, so a folder that has a
+manifest is complete. Opening one checks it anyway: the format version, every token file's size against the
+manifest's token count and dtype (a truncated file, or one of another dtype, is refused), the tokenizer file's
+hash, and the manifest's own fingerprint.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ortflow.data.tokenizer import BYTES, ByteTokenizer, HFTokenizer, Tokenizer
+from ortflow.errors import DataError
+
+FORMAT, VERSION = "ortflow-tokens", 1
+MANIFEST, TOKENIZER_FILE = "manifest.json", "tokenizer.json"
+SPLITS = ("train", "val")
+# Manifest keys left out of its fingerprint: when and by which version it was written, how fast, and the cache key
+# (it holds file mtimes). The same content prepared again has the same fingerprint.
+UNFINGERPRINTED = ("fingerprint", "created", "ortflow_version", "prepare", "cache_key")
+
+
+def fingerprint(manifest: dict[str, Any]) -> str:
+    """SHA-256 (first 16 hex digits) over the manifest's content: sources and their hashes, tokenizer and its hash,
+    token and byte counts, settings, format."""
+    content = {k: v for k, v in manifest.items() if k not in UNFINGERPRINTED}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TokenArray:
+    """One split's tokens: a file read through np.memmap (opened per use, never read whole), or an array in memory
+    (the embedded corpus). Picklable, for DataLoader workers."""
+
+    count: int
+    dtype: str
+    path: str | None = None
+    array: np.ndarray | None = field(default=None, compare=False)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def open(self) -> np.ndarray:
+        """The tokens as an array. A memmap maps the file without reading it; the pages a batch touches are read
+        then, and dropped from the process when the map is (a fresh map per batch keeps RSS flat)."""
+        if self.array is not None:
+            return self.array
+        return np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.count,))
+
+
+@dataclass
+class TokenStore:
+    """A prepared corpus: its manifest, both splits and the tokenizer that made them.
+
+    Attributes:
+        path: the prepared folder (None for the embedded corpus tokenized in memory).
+    """
+
+    manifest: dict[str, Any]
+    train: TokenArray
+    val: TokenArray
+    tokenizer: Tokenizer
+    path: Path | None = None
+
+    @property
+    def tokens_per_byte(self) -> float:
+        """Of the validation split: what turns a loss per token into one per byte."""
+        val = self.manifest["splits"]["val"]
+        return val["tokens"] / val["bytes"]
+
+    @classmethod
+    def open(cls, folder: Path) -> "TokenStore":
+        """Open and check a prepared folder.
+
+        Raises:
+            DataError: no or an unreadable manifest, a newer format version, a token file missing, truncated or
+                of another dtype, a tokenizer file that does not match or does not load, a manifest edited by hand.
+        """
+        file = folder / MANIFEST
+        try:
+            manifest = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise DataError(
+                f"data.source: '{folder}' holds no {MANIFEST}; it is not a prepared token folder."
+            ) from None
+        except (OSError, ValueError) as err:
+            raise DataError(f"data: the manifest '{file}' cannot be read ({err}).") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise DataError(f'data: \'{file}\' is not an ortflow token manifest (no "format": "{FORMAT}").')
+        version = manifest.get("version")
+        if not isinstance(version, int) or version > VERSION:
+            raise DataError(
+                f"data: '{file}' has format version {version}, newer than this ortflow reads ({VERSION}); it was "
+                f"prepared by ortflow {manifest.get('ortflow_version', '?')}. Upgrade ortflow, or delete '{folder}' "
+                "and prepare again."
+            )
+        try:
+            dtype = np.dtype(manifest["dtype"])
+            splits = {name: manifest["splits"][name] for name in SPLITS}
+            recorded = manifest["fingerprint"]
+            kind = manifest["tokenizer"]["kind"]
+        except (KeyError, TypeError) as err:
+            raise DataError(f"data: the manifest '{file}' lacks {err}; delete '{folder}' and prepare again.") from None
+        if fingerprint(manifest) != recorded:
+            raise DataError(
+                f"data: the manifest '{file}' does not match its fingerprint (edited after it was written); delete "
+                f"'{folder}' and prepare again."
+            )
+        arrays = {name: _token_file(folder, split, dtype) for name, split in splits.items()}
+        tokenizer: Tokenizer = ByteTokenizer()
+        if kind != BYTES:
+            tokenizer = _tokenizer_file(folder, manifest["tokenizer"])
+        return cls(manifest, arrays["train"], arrays["val"], tokenizer, folder)
+
+    def run_files(self) -> dict[str, bytes]:
+        """What a run dir keeps so that the run's tokenizer is found from it (ortflow-predict): the manifest and
+        the tokenizer file."""
+        files = {"data_manifest.json": json.dumps(self.manifest, indent=2).encode()}
+        if self.tokenizer.json is not None:
+            files[TOKENIZER_FILE] = self.tokenizer.json.encode()
+        return files
+
+
+def _token_file(folder: Path, split: dict[str, Any], dtype: np.dtype) -> TokenArray:
+    path = folder / split["file"]
+    tokens = split["tokens"]
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise DataError(f"data: the token file '{path}' is missing; delete '{folder}' and prepare again.") from None
+    if size != tokens * dtype.itemsize:
+        raise DataError(
+            f"data: the token file '{path}' has {size:,} bytes, but its manifest says {tokens:,} tokens of {dtype} "
+            f"({tokens * dtype.itemsize:,} bytes): it is truncated or of another dtype. Delete '{folder}' and "
+            "prepare again."
+        )
+    return TokenArray(tokens, dtype.name, str(path))
+
+
+def _tokenizer_file(folder: Path, recorded: dict[str, Any]) -> HFTokenizer:
+    path = folder / recorded.get("file", TOKENIZER_FILE)
+    try:
+        text = path.read_bytes()
+    except OSError:
+        raise DataError(f"data: the tokenizer file '{path}' is missing; delete '{folder}' and prepare again.") from None
+    if hashlib.sha256(text).hexdigest() != recorded.get("sha256"):
+        raise DataError(
+            f"data: the tokenizer file '{path}' is not the one its manifest records (another SHA-256); delete "
+            f"'{folder}' and prepare again."
+        )
+    return HFTokenizer.from_str(text.decode("utf-8", errors="replace"), str(path))
