@@ -6,8 +6,9 @@ and returns a float tensor the loss takes (ortflow/loss.py): for cross-entropy, 
 dimensions are the targets' and whose last dimension C covers every class id in the targets; for mse and
 bce_with_logits, the targets' shape. Samples must not interact across the batch dimension
 (the engines pad short batches, and DDP splits batches): a probe that changes one sample must leave the other
-samples' outputs unchanged. A violation is one OrtflowError naming the builder, what it returned and what was
-expected.
+samples' outputs unchanged, except through batch statistics (BatchNorm), a known dependence that check_model
+reports (model/batch_dependence.py) and the runner honours by never padding such a model's batches
+(data/short_batches.py). A violation is one ModelError naming the builder, what it returned and what was expected.
 """
 
 from typing import Any
@@ -15,12 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ortflow.errors import OrtflowError
+from ortflow.errors import ModelError, OrtflowError
+from ortflow.model.batch_dependence import BatchDependence, known_layers, moves_in_eval, moves_in_training
 from ortflow.step.batch import Inputs, describe, layout_of
 from ortflow.step.loss import Loss
-
-# Differences below this (relative to the outputs' scale) count as rounding, not as samples interacting.
-_MIX_TOLERANCE = 1e-4
 
 
 def check_builder_result(model: Any, target: str) -> nn.Module:
@@ -41,8 +40,14 @@ def _short(value: Any) -> str:
 
 
 @torch.no_grad()
-def check_model(model: nn.Module, inputs: Inputs, targets: torch.Tensor, loss: Loss, target: str) -> None:
-    """Run the contract's checks on one batch, in eval mode (no dropout), leaving the model as it was."""
+def check_model(model: nn.Module, inputs: Inputs, targets: torch.Tensor, loss: Loss, target: str) -> BatchDependence:
+    """Run the contract's checks on one batch, in eval mode (no dropout), leaving the model as it was; return how
+    the model depends on the other samples of a batch (batch statistics).
+
+    Raises:
+        ModelError: the forward fails on the batch, its output does not fit the loss, or it mixes samples other than
+            through batch statistics.
+    """
     layout = layout_of(inputs)
     tensors = layout.flatten(inputs)
     was_training = model.training
@@ -59,7 +64,7 @@ def check_model(model: nn.Module, inputs: Inputs, targets: torch.Tensor, loss: L
                 "a dict by keyword)."
             ) from None
         _check_output(out, targets, loss, target)
-        _check_independence(model, layout, tensors, out, target)
+        return _batch_dependence(model, layout, tensors, out, target)
     finally:
         model.train(was_training)
 
@@ -85,31 +90,24 @@ def _check_output(out: Any, targets: torch.Tensor, loss: Loss, target: str) -> N
         raise OrtflowError(f"model._target_={target}: {problem}.")
 
 
-def _check_independence(
+def _batch_dependence(
     model: nn.Module, layout: Any, tensors: tuple[torch.Tensor, ...], out: torch.Tensor, target: str
-) -> None:
-    """Change sample 0's inputs; the other samples' outputs must not move."""
+) -> BatchDependence:
+    """The model's batch statistics; a ModelError if samples interact in eval mode in any other way."""
+    known = known_layers(model)
     if tensors[0].size(0) < 2:
-        return
-    probe = []
-    for t in tensors:
-        changed = t.clone()
-        changed[0] = t[1] if not torch.equal(t[0], t[1]) else _perturbed(t[0])
-        probe.append(changed)
-    moved = (layout.call(model, tuple(probe))[1:] - out[1:]).abs().max()
-    scale = out[1:].abs().max().clamp_min(1.0)
-    if moved > _MIX_TOLERANCE * scale:
-        raise OrtflowError(
+        return known
+    call = lambda batch: layout.call(model, batch)  # noqa: E731
+    if moves_in_eval(model, call, tensors, out, known):
+        raise ModelError(
             f"model._target_={target} mixes samples across the batch dimension: changing one sample of a batch "
             "changed the other samples' outputs. ortflow hands batches batch-first, (B, T, ...); the likely cause is "
             "a sequence-first layer (e.g. nn.TransformerEncoderLayer or nn.MultiheadAttention with "
             "batch_first=False, nn.GRU/LSTM without batch_first=True) fed batch-first data. Set "
             "data.batch_first=false to hand the model (T, B, ...) inputs (its outputs are transposed back), or "
-            "make the model batch-first. (BatchNorm in training mode also mixes samples; it is checked in eval mode.)"
+            "make the model batch-first. (Batch statistics, BatchNorm's, are a known dependence and were held fixed "
+            "for this check.)"
         )
-
-
-def _perturbed(sample: torch.Tensor) -> torch.Tensor:
-    if sample.is_floating_point():
-        return sample + 1.0
-    return (sample + 1) % max(int(sample.max()) + 1, 2)
+    if known.in_training:
+        return known
+    return BatchDependence(unidentified=moves_in_training(model, call, tensors))

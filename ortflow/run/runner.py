@@ -19,9 +19,11 @@ from ortflow import accel, distributed
 from ortflow.accel.engine import Engine, EngineContext
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
+from ortflow.data.short_batches import ShortBatches
 from ortflow.distributed import World
 from ortflow.errors import OrtflowError, is_allocation_failure
 from ortflow.model import OUTPUT_KEY, select_output, sequence_first
+from ortflow.model.batch_dependence import BatchDependence
 from ortflow.model.contract import check_builder_result, check_model
 from ortflow.report import terminal
 from ortflow.report.logger import RunLogger
@@ -68,6 +70,11 @@ def build_data(cfg: DictConfig) -> Data:
 def build_model(cfg: DictConfig, data: Data) -> nn.Module:
     """The model the config names, checked against the model contract on one batch (the same check for every
     engine), adapted to batch-first batches when the data says the model is sequence-first."""
+    return build_checked_model(cfg, data)[0]
+
+
+def build_checked_model(cfg: DictConfig, data: Data) -> tuple[nn.Module, BatchDependence]:
+    """build_model's model, and how it depends on the other samples of a batch (batch statistics)."""
     target = cfg.model.get("_target_", "?")
     output = cfg.model.get(OUTPUT_KEY)  # ortflow's key, not the builder's: taken out before instantiating
     node = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != OUTPUT_KEY])
@@ -76,8 +83,8 @@ def build_model(cfg: DictConfig, data: Data) -> nn.Module:
         model = select_output(model, str(output))
     if not data.batch_first:
         model = sequence_first(model)
-    check_model(model, *example_batch(data.train), loss.build(cfg.loss), target)
-    return model
+    dependence = check_model(model, *example_batch(data.train), loss.build(cfg.loss), target)
+    return model, dependence
 
 
 def engine_context(
@@ -229,11 +236,13 @@ def _train(
 ) -> tuple[dict[str, Any], dict[str, Any], nn.Module, Data]:
     seed_everything(cfg.seed)
     data = build_data(cfg)
-    model = build_model(cfg, data)  # the same initial weights on every rank
+    model, dependence = build_checked_model(cfg, data)  # the same initial weights on every rank
     if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
         data.train = distributed.shard(data.train, world, cfg.seed)
     results: dict[str, Any] = {"data": data.info}
-    batches = ResumableBatches(data.train)
+    short = ShortBatches(dependence, data.train.batch_size)  # no padded rows for a model with batch statistics
+    train_loader, val_loader = short.wrap(data.train, data.val)
+    batches = ResumableBatches(train_loader)
     engine, state = run.start(
         model,
         lambda m: build_engine(cfg, m, data, run.path, world),
@@ -256,7 +265,7 @@ def _train(
         metrics = train_loop(
             engine,
             batches,
-            data.val,
+            val_loader,
             cfg.trainer,
             cfg.optim,
             cfg.scheduler,
@@ -272,6 +281,7 @@ def _train(
             prune=pruning.reporter(cfg.objective),
         )
         results["ended_by"] = metrics.pop("ended_by")
+        results["data"] = {**data.info, "short_batches": short.record()}
         execution = engine.describe()
         if world.size > 1:  # proof per rank: each one's own engine says what executed there
             execution["ranks_executed_by"] = distributed.gather(execution["executed_by"])
