@@ -125,7 +125,8 @@ def pad_batch(
     ORT graphs are exported for the example batch's shape; a smaller batch would hit shapes baked into the graph.
     Padded rows carry no loss and samples do not interact across the batch dimension (the model contract), so the
     mean loss over the real rows is unchanged. A loss without such targets (mse, a custom loss) refuses a short
-    batch (ortflow's loaders give full training batches only).
+    batch (ortflow's loaders give full training batches only). A model with batch statistics (BatchNorm) would mix
+    the padding into them: the runner never hands it a short batch (ortflow/data/short_batches.py).
     """
     missing = batch_size - targets.size(0)
     if missing <= 0:
@@ -143,7 +144,8 @@ def pad_batch(
 def pad_eval_batch(
     tensors: tuple[torch.Tensor, ...], targets: torch.Tensor, batch_size: int
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Pad a short eval batch with zero rows; only the real rows' outputs are scored (Loss.sums)."""
+    """Pad a short eval batch with zero rows; only the real rows' outputs are scored (Loss.sums). A model whose eval
+    outputs depend on the batch (BatchNorm without running statistics) never gets here with a short batch."""
     missing = batch_size - targets.size(0)
     if missing <= 0:
         return tensors, targets
