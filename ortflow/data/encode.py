@@ -2,7 +2,7 @@
 
 A chunk is a list of segments `(UTF-8 bytes, whether a document separator comes before them)`, about `size` bytes
 in all; long documents are cut after a newline (preferably one followed by a non-space, so that runs of
-whitespace stay whole), else at a UTF-8 character boundary. Each chunk encodes on its own, so chunks can go to
+whitespace stay whole), else before a space, else at a UTF-8 character boundary. Each chunk encodes on its own, so chunks can go to
 worker processes and come back in order; where the corpus is cut into train and val is a chunk boundary.
 
 This module imports neither torch nor the rest of ortflow's data code: spawned workers start in a second.
@@ -24,9 +24,9 @@ _NEWLINE_PROBES = 4096  # newlines looked at for one followed by a non-space, be
 
 
 def chunk_size(total_bytes: int) -> int:
-    """About 2,000 chunks per corpus, between 1 KB and 1 MB each: fine-grained enough to hold out an exact share
+    """About 2,000 chunks per corpus, between 256 bytes and 1 MB each: fine-grained enough to hold out an exact share
     of a small corpus, coarse enough to keep a worker pool busy on a large one."""
-    return int(min(max(total_bytes // 2000, 2**10), 2**20))
+    return int(min(max(total_bytes // 2000, 2**8), 2**20))
 
 
 def _cut(buf: bytearray, start: int, end: int) -> int:
@@ -42,6 +42,9 @@ def _cut(buf: bytearray, start: int, end: int) -> int:
         return pos + 1
     if first != -1:
         return first + 1
+    space = buf.rfind(b" ", low, end)
+    if space > start:
+        return space  # the space starts the next segment, as it starts the next word
     cut = end
     while cut > start + 1 and (buf[cut] & 0xC0) == 0x80:  # not inside a UTF-8 multi-byte character
         cut -= 1

@@ -228,7 +228,7 @@ def split_point(encoded: Encoded, val_fraction: float, spec: str) -> int:
     bytes, keeping at least one chunk on each side.
 
     Raises:
-        DataError: the corpus is one chunk (under about 1 KB): too small to hold anything out.
+        DataError: the corpus is one chunk (under about 256 bytes): too small to hold anything out.
     """
     n = len(encoded.chunk_bytes)
     if n < 2:

@@ -21,12 +21,12 @@ from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.data.short_batches import ShortBatches
 from ortflow.distributed import World
-from ortflow.errors import OrtflowError, is_allocation_failure
+from ortflow.errors import ConfigError, OrtflowError, is_allocation_failure
 from ortflow.model import OUTPUT_KEY, select_output, sequence_first
 from ortflow.model.batch_dependence import BatchDependence
 from ortflow.model.contract import check_builder_result, check_model
 from ortflow.report import terminal
-from ortflow.report.logger import RunLogger
+from ortflow.report.logger import RunLogger, write_bytes_atomic
 from ortflow.run import checkpoint, export, pruning
 from ortflow.run.rundir import RunDir
 from ortflow.run.seeding import seed_everything
@@ -64,7 +64,23 @@ def build_data(cfg: DictConfig) -> Data:
             f"data._target_={cfg.data.get('_target_')} returned {type(data).__name__}, not an ortflow.data.Data "
             "(train and val DataLoaders yielding (inputs, targets) batches; see the README's data section)."
         )
+    if "vocab_size" in cfg.data and cfg.data.vocab_size is None and "vocab_size" in data.info:
+        cfg.data.vocab_size = int(data.info["vocab_size"])  # the tokenizer's: model.vocab_size follows it
     return data
+
+
+def _vocabulary(node: DictConfig, data: Data) -> None:
+    """model.vocab_size null: the data's vocabulary (its tokenizer's); set, it must hold every token id."""
+    vocab = data.info.get("vocab_size")
+    if "vocab_size" not in node or vocab is None:
+        return
+    if node.vocab_size is None:
+        node.vocab_size = int(vocab)
+    elif node.vocab_size < int(vocab):
+        raise ConfigError(
+            f"model.vocab_size={node.vocab_size} is smaller than the data's vocabulary ({vocab} tokens, tokenizer "
+            f"{data.info.get('tokenizer', '?')}); leave model.vocab_size null to follow the data."
+        )
 
 
 def build_model(cfg: DictConfig, data: Data) -> nn.Module:
@@ -78,6 +94,7 @@ def build_checked_model(cfg: DictConfig, data: Data) -> tuple[nn.Module, BatchDe
     target = cfg.model.get("_target_", "?")
     output = cfg.model.get(OUTPUT_KEY)  # ortflow's key, not the builder's: taken out before instantiating
     node = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != OUTPUT_KEY])
+    _vocabulary(node, data)
     model = check_builder_result(_build("model", node), target)
     if output is not None:
         model = select_output(model, str(output))
@@ -240,6 +257,9 @@ def _train(
     if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
         data.train = distributed.shard(data.train, world, cfg.seed)
     results: dict[str, Any] = {"data": data.info}
+    if world.is_main:
+        for name, content in data.run_files.items():  # the run's tokenizer and data manifest (ortflow-predict)
+            write_bytes_atomic(run.path / name, content)
     short = ShortBatches(dependence, data.train.batch_size)  # no padded rows for a model with batch statistics
     train_loader, val_loader = short.wrap(data.train, data.val)
     batches = ResumableBatches(train_loader)
@@ -279,6 +299,7 @@ def _train(
             watch=cfg.objective,
             on_best=None if cfg.trainer.fast_dev_run else lambda _state: run.write_best(engine.model_state_dict()),
             prune=pruning.reporter(cfg.objective),
+            eval_metrics=data.eval_metrics,
         )
         results["ended_by"] = metrics.pop("ended_by")
         results["data"] = {**data.info, "short_batches": short.record()}
