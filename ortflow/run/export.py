@@ -54,7 +54,7 @@ def inference_onnx(
     tensors = layout.flatten(inputs)
     names = input_names(len(tensors))
     path = run_dir / FILE
-    wrapped = InferenceModel(model, layout)
+    wrapped = InferenceModel(model, layout).eval()  # torch.onnx.export restores the mode it found: keep eval
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
