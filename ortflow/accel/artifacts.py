@@ -21,13 +21,14 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import compat
+from ortflow.accel import aten_conv, batchnorm, compat, symbolics
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.none import debug_problems
 from ortflow.accel.rewrites import MaskSampler, Rewrites, prepare_training_graph
 from ortflow.config import OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
+from ortflow.model.probe import training_forward_probe
 from ortflow.ranges import ranged
 from ortflow.report import terminal
 from ortflow.step.batch import Inputs, Layout
@@ -60,6 +61,10 @@ class Settings:
     # Dropout -> x * mask, the masks fed as graph inputs, drawn each step by a fast generator seeded from torch's RNG
     # (so from the run's seed, and resumed exactly): ORT's CPU Dropout draws its random numbers slowly, on one thread.
     rewrite_dropout: bool = True
+    # Convolutions run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_conv.py), not ORT's own CPU
+    # Conv/ConvGrad. Transposed convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-
+    # waiting is then off whatever allow_spinning says: spinning ORT threads would compete with torch's.
+    aten_conv: bool = False
 
     def rewrites(self) -> Rewrites:
         return Rewrites(
@@ -84,16 +89,6 @@ def problems(cfg: DictConfig) -> list[str]:
             "gradient all-reduce between processes). Use accel=ortmodule or accel=none with distributed=ddp."
         )
     return found
-
-
-# ONNX ops in a model that ORT's training API cannot train correctly, and why.
-UNSUPPORTED_OPS = {
-    "BatchNormalization": (
-        "ORT's artifact generation turns BatchNormalization to inference mode in the eval graph but keeps its "
-        "training-mode outputs (running mean and variance), so ORT refuses to load that eval graph ('This number of "
-        "op outputs should be 1 when Training_mode = False')"
-    ),
-}
 
 
 def custom_functions(model: nn.Module, layout: Layout, inputs: tuple[torch.Tensor, ...]) -> list[str]:
@@ -121,17 +116,6 @@ def custom_functions(model: nn.Module, layout: Layout, inputs: tuple[torch.Tenso
     return sorted(found)
 
 
-def refuse_unsupported(forward: onnx.ModelProto) -> None:
-    """Refuse, before any training, a model holding an op the artifacts engine cannot train correctly."""
-    for op, reason in UNSUPPORTED_OPS.items():
-        nodes = [n.name or n.output[0] for n in forward.graph.node if n.op_type == op]
-        if nodes:
-            raise OrtflowError(
-                f"accel=artifacts cannot train this model: it has {len(nodes)} {op} node(s) ({', '.join(nodes[:3])}). "
-                f"{reason}. `ortflow-check` with the same overrides shows which accel mode can train it."
-            )
-
-
 @contextlib.contextmanager
 def _cannot_train(what: str, by: str = "ORT's training API") -> Iterator[None]:
     """Errors while the model is exported or ORT builds or loads its graphs, as one paragraph naming the op or
@@ -146,6 +130,7 @@ def _cannot_train(what: str, by: str = "ORT's training API") -> Iterator[None]:
 
 
 def build(ctx: EngineContext, **settings: Any) -> "ArtifactsEngine":
+    batchnorm.refuse_unsupported(ctx.model, NAME)
     return ArtifactsEngine(ctx, Settings(**settings))
 
 
@@ -219,6 +204,10 @@ class ArtifactsEngine:
                 "those and silently ignore the Function's own backward. Use accel=ortmodule (it runs such Functions "
                 "through torch, backward included) or accel=none."
             )
+        # BatchNorm running statistics: ORT writes each batch's statistics into its state's tensors, ortflow applies
+        # torch's update to the torch buffers after every training forward (accel/batchnorm.py).
+        self.norms = batchnorm.BatchNorms.find(model, lambda: self.layout.call(model, example_inputs), NAME)
+        self.batch_statistics = batchnorm.BatchStatistics.of(model)
         self.accumulate = ctx.accumulate
         # With accumulation the exported loss is divided by the micro-batch count (ORT adds the gradients up).
         self.loss_block = self.loss.ort_block() if self.accumulate == 1 else None
@@ -229,15 +218,31 @@ class ArtifactsEngine:
             scaled = OutputAndLoss(model, self.loss, self.layout, 1.0 / self.accumulate)
             exported, args = scaled, (*example_inputs, example_targets)
             names, outputs = [*names, "targets"], ["loss", "output"]
-        with compat.quiet_export(), _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export"):
+        with (
+            compat.quiet_export(),
+            _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export"),
+            training_forward_probe(model),  # the export traces one training forward: its BatchNorm update is undone
+            symbolics.ort_export(accel.opset, accel.aten_conv),
+        ):
             compat.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
         forward = onnx.load(str(forward_path))
-        refuse_unsupported(forward)
+        # Convolutions as ATen nodes (accel.aten_conv, transposed ones always): torch runs them inside ORT.
+        self.aten_convs = aten_conv.count(forward)
+        if self.aten_convs:
+            compat.load_aten_executor()
+            aten_conv.register_gradient()
         example_feeds = {name: t.numpy() for name, t in zip(names, args, strict=True)}
         self.graph_fixes, self.masks = prepare_training_graph(forward, accel.rewrites(), example_feeds)
+        if self.aten_convs:
+            self.graph_fixes["convolutions_run_by_torch"] = self.aten_convs
         self.sampler = MaskSampler(self.masks)
         self.eval_masks = [np.ones(m.shape, m.dtype) for m in self.masks]  # evaluation keeps every unit
         params = dict(model.named_parameters())
+        # The running statistics become (frozen) checkpoint-state tensors: ORT's eval graph reads them from there.
+        self.running = [(_PREFIX + s.name + ".running_mean", _PREFIX + s.name + ".running_var") for s in self.sites]
+        initializers = {i.name for i in forward.graph.initializer}
+        if missing := [name for pair in self.running for name in pair if name not in initializers]:
+            raise OrtflowError(f"accel=artifacts: the exported graph has no initializer {missing[0]}.")
         with (
             terminal.native_stderr("onnxruntime"),
             compat.quiet_root_logger(),
@@ -246,17 +251,30 @@ class ArtifactsEngine:
             artifacts.generate_artifacts(
                 forward,
                 requires_grad=[_PREFIX + n for n, p in params.items() if p.requires_grad],
-                frozen_params=[_PREFIX + n for n, p in params.items() if not p.requires_grad],
+                frozen_params=[_PREFIX + n for n, p in params.items() if not p.requires_grad]
+                + [name for pair in self.running for name in pair],
                 loss=self.loss_block,  # None: the graph's first output ("loss") is the loss
                 optimizer=_optimizer_block(optim, grad_clip),
                 artifact_directory=onnx_dir,
                 additional_output_names=["output"] if self.loss_block is not None else None,
             )
+        if self.aten_convs:
+            training_path = onnx_dir / "training_model.onnx"
+            training_model = onnx.load(str(training_path))
+            aten_conv.type_gradient_outputs(training_model)
+            onnx.save(training_model, str(training_path))
+        if any(node.op_type == "BatchNormalization" for node in forward.graph.node):
+            eval_path = onnx_dir / "eval_model.onnx"
+            eval_model = onnx.load(str(eval_path))
+            self.graph_fixes["eval_batchnorm_outputs"] = batchnorm.inference_batch_norms(eval_model)
+            onnx.save(eval_model, str(eval_path))
         self.onnx_dir = onnx_dir
         self.options = onnxruntime.SessionOptions()
         self.options.log_severity_level = 3  # errors only: ORT logs every graph transformer it applies at INFO
-        self.intra_op_threads, self.allow_spinning = accel.intra_op_threads, accel.allow_spinning
-        compat.apply_session_settings(self.options, accel.intra_op_threads, accel.allow_spinning)
+        # Torch's kernels run inside ORT's graphs with ATen convolutions: idle ORT threads must not spin against them.
+        self.intra_op_threads = accel.intra_op_threads
+        self.allow_spinning = accel.allow_spinning and not self.aten_convs
+        compat.apply_session_settings(self.options, self.intra_op_threads, self.allow_spinning)
         with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs"):
             self._open(onnx_dir / "checkpoint", optim.lr)
         self.trainable = [_PREFIX + n for n, p in params.items() if p.requires_grad]
@@ -285,6 +303,32 @@ class ArtifactsEngine:
             )
         self.optimizer = compat.ort_optimizer(self.onnx_dir / "optimizer_model.onnx", self.module, optimizer_options)
         self.optimizer.set_learning_rate(lr)
+        self._write_running_statistics()  # the torch buffers own them (a resumed run: the checkpoint's)
+
+    @property
+    def sites(self) -> list[batchnorm.Site]:
+        return self.norms.sites if self.norms is not None else []
+
+    def _write_running_statistics(self) -> None:
+        """The torch buffers' running statistics into ORT's state (where the eval graph reads them)."""
+        for site, (mean, var) in zip(self.sites, self.running, strict=True):
+            self.state.parameters[mean].data = site.module.running_mean.numpy().copy()
+            self.state.parameters[var].data = site.module.running_var.numpy().copy()
+
+    def _training_forward(self, feeds: list[np.ndarray]) -> float:
+        """One call of the training graph (forward and backward, gradients added up); with BatchNorm, torch's update
+        of the running statistics from the batch statistics ORT writes into its state (accel/batchnorm.py)."""
+        if self.norms is None:
+            loss, _ = self.module(*feeds)
+            return float(loss)
+        kept = self.norms.keep()
+        for site, (_, var) in zip(self.sites, self.running, strict=True):
+            self.state.parameters[var].data = np.full(site.module.running_var.shape, batchnorm.UNWRITTEN, np.float32)
+        loss, _ = self.module(*feeds)
+        batch = [(self.state.parameters[mean].data, self.state.parameters[var].data) for mean, var in self.running]
+        self.norms.after(kept, batch)
+        self._write_running_statistics()
+        return float(loss)
 
     def _feeds(self, tensors: tuple[torch.Tensor, ...], targets: torch.Tensor, train: bool) -> list[np.ndarray]:
         """The session's inputs in its order: the batch's tensors and targets, and (with rewrite_dropout) the
@@ -309,11 +353,12 @@ class ArtifactsEngine:
         self.module.train()
         losses = []
         for inputs, targets in micro:
+            self.batch_statistics.check_training_batch(targets.size(0), self.batch_size, NAME)
             tensors, padded = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
             feeds = self._feeds(tensors, padded, train=True)
             with torch.profiler.record_function("ortflow::ort_training_graph"):
-                loss, _ = self.module(*feeds)
-            losses.append(float(loss) * self.accumulate)
+                loss = self._training_forward(feeds)
+            losses.append(loss * self.accumulate)
             if not math.isfinite(losses[-1]):
                 break
         mean = sum(losses) / len(losses)
@@ -330,11 +375,12 @@ class ArtifactsEngine:
         """One forward and backward pass without an optimizer step: the loss and the trainable parameters' gradients
         by torch name (for checking graph rewrites and parity). The gradient buffers are reset afterwards."""
         self.module.train()
+        self.batch_statistics.check_training_batch(targets.size(0), self.batch_size, NAME)
         tensors, padded = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
-        loss, _ = self.module(*self._feeds(tensors, padded, train=True))
+        loss = self._training_forward(self._feeds(tensors, padded, train=True))
         grads = {name.removeprefix(_PREFIX): np.array(self.state.parameters[name].grad) for name in self.trainable}
         self.module.lazy_reset_grad()
-        return float(loss), grads
+        return loss, grads
 
     def _grad_norm(self) -> float:
         """The global gradient norm before clipping, from ORT's gradient buffers (CheckpointState parameters'
@@ -348,6 +394,7 @@ class ArtifactsEngine:
 
     def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
         real = targets.size(0)
+        self.batch_statistics.check_eval_batch(real, self.batch_size, NAME)
         tensors, padded = pad_eval_batch(self.layout.flatten(inputs), targets, self.batch_size)
         self.module.eval()
         _, output = self.module(*self._feeds(tensors, padded, train=False))
@@ -361,7 +408,8 @@ class ArtifactsEngine:
         self.optimizer.set_learning_rate(lr)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights ORT holds, under the torch model's state_dict names (buffers from the torch model)."""
+        """The weights ORT holds, under the torch model's state_dict names; buffers from the torch model (BatchNorm's
+        running statistics included: they are kept there)."""
         weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         for name in dict(self.model.named_parameters()):
             weights[name] = torch.from_numpy(np.array(self.state.parameters[_PREFIX + name].data))
@@ -399,4 +447,5 @@ class ArtifactsEngine:
             "ort_train_steps": self.steps,
             "ort_eval_batches": self.evals,
             "graph_fixes": self.graph_fixes,
+            **(self.norms.describe() if self.norms is not None else {}),
         }

@@ -113,7 +113,56 @@ def export_training_onnx(
     )
 
 
+def torch_symbolic(module: str, name: str):
+    """torch's own ONNX symbolic `name` from its `module` (symbolic_opset9, ...): the TorchScript exporter's modules
+    moved under torch.onnx._internal.torchscript_exporter in torch 2.9, and the old names re-export only public ones."""
+    import importlib
+
+    for prefix in ("torch.onnx._internal.torchscript_exporter", "torch.onnx"):
+        try:
+            found = getattr(importlib.import_module(f"{prefix}.{module}"), name, None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    raise AttributeError(f"torch has no ONNX symbolic {module}.{name}")
+
+
 # ------------------------------------------------------------------------------------------------- ORT side
+def ort_symbolic(name: str):
+    """The symbolic ORTModule registers for `name` ("::_convolution", ...), or None (none, or ORTModule not imported:
+    then it registered nothing)."""
+    registry = sys.modules.get("onnxruntime.training.ortmodule._custom_op_symbolic_registry")
+    return None if registry is None else registry.CustomOpSymbolicRegistry._SYMBOLICS.get(name)
+
+
+def register_ort_gradient(operator: str, overload: str, definition) -> None:
+    """Give ORT's gradient builder the gradient `definition()` of `org.pytorch.aten::ATen` nodes running `operator`
+    (ORTModule's custom gradient registry, the format of its _custom_gradient_registry.py), and publish the registry
+    to ORT's C++ side (ORTModule publishes it again when it is built; the artifacts engine needs it before
+    generate_artifacts). Imports ORTModule (the torch patches first)."""
+    prepare()
+    from onnxruntime.training.ortmodule._custom_gradient_registry import CustomGradientRegistry
+
+    CustomGradientRegistry.register("org.pytorch.aten", "ATen", (operator, overload), definition)
+    CustomGradientRegistry.register_all()
+
+
+def load_aten_executor() -> None:
+    """Let ORT run `org.pytorch.aten::ATen` nodes: register torch's operator executor (the aten_op_executor extension
+    built with ORTModule's others, accel/extensions.py) with ORT, once per process. ORTModule does this itself; the
+    artifacts engine calls it before its sessions."""
+    from ortflow.accel.extensions import ensure_built
+
+    ensure_built()
+    prepare()
+    from onnxruntime.training.ortmodule.torch_cpp_extensions.cpu.aten_op_executor import (
+        load_aten_op_executor_cpp_extension,
+    )
+
+    load_aten_op_executor_cpp_extension()
+
+
 class OrtRunCounter:
     """Counts ORT's own session runs inside one ORTModule engine: proof that ORT, not PyTorch, executed a step."""
 
@@ -138,6 +187,7 @@ class SessionSettings:
     intra_op_threads: int | None = None  # None: ORT's default (one per physical core)
     allow_spinning: bool = True  # ORT's default
     rewrites: Rewrites = field(default_factory=Rewrites)  # the graph rewrites applied before the gradient is built
+    aten_conv: bool = False  # every convolution exported as an ATen node run by torch (accel/aten_conv.py)
 
 
 @dataclass
@@ -193,6 +243,9 @@ def patch_ortmodule() -> None:
     if _patched:
         return
     prepare()
+    from ortflow.accel import aten_conv, symbolics
+
+    aten_conv.register_gradient()  # before any ORTModule is built: it publishes ORT's gradient registry then
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
     from onnxruntime.training.ortmodule import _execution_agent
     from onnxruntime.training.ortmodule._graph_execution_manager import GraphExecutionManager
@@ -205,9 +258,10 @@ def patch_ortmodule() -> None:
     get_exported = GraphTransitionManager._get_exported_model
 
     def get_exported_with_masks(*args, **kwargs):
-        with compat_torch.exporting():
-            exported_model, output_schema = get_exported(*args, **kwargs)
         scope = _ACTIVE.get()
+        aten_convs = scope is not None and scope.settings.aten_conv
+        with compat_torch.exporting(), symbolics.ort_export(kwargs["onnx_opset_version"], aten_convs):
+            exported_model, output_schema = get_exported(*args, **kwargs)
         rewrites = scope.settings.rewrites if scope else Rewrites()
         fixes, masks = prepare_training_graph(exported_model, rewrites)
         assert not masks, "ORTModule cannot feed dropout masks"  # Rewrites.dropout_masks is artifacts-only

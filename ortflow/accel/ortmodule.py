@@ -21,7 +21,7 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import compat, fed_dropout
+from ortflow.accel import batchnorm, compat, fed_dropout
 from ortflow.accel.engine import EngineContext, WithLoss, pad_batch, pad_eval_batch
 from ortflow.accel.extensions import ensure_built
 from ortflow.accel.none import EagerEngine
@@ -109,36 +109,8 @@ def debug_options(debug: DebugConfig, onnx_dir: Path):
     )
 
 
-BATCH_NORMS = (
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    nn.SyncBatchNorm,
-    nn.LazyBatchNorm1d,
-    nn.LazyBatchNorm2d,
-    nn.LazyBatchNorm3d,
-)
-
-
-def refuse_unsupported(model: nn.Module) -> None:
-    """Refuse, before any export, modules whose state ORTModule does not keep as torch does."""
-    norms = [
-        name or type(m).__name__
-        for name, m in model.named_modules()
-        if isinstance(m, BATCH_NORMS) and m.track_running_stats
-    ]
-    if norms:
-        raise OrtflowError(
-            f"accel=ortmodule cannot train this model correctly: it has BatchNorm layers ({', '.join(norms[:3])}) "
-            "that track running statistics, and ORTModule does not update them as torch does (measured on a small "
-            "CNN after 5 steps: running_var 0.542 against torch's 0.600, num_batches_tracked 1 against 5), so "
-            "evaluation would use wrong statistics. Use accel=none, or BatchNorm(track_running_stats=False), "
-            "GroupNorm or LayerNorm."
-        )
-
-
 def build(ctx: EngineContext, **settings: Any) -> "ORTModuleEngine":
-    refuse_unsupported(ctx.model)
+    batchnorm.refuse_unsupported(ctx.model, NAME)
     return ORTModuleEngine(ctx, Settings(**settings))
 
 
@@ -158,9 +130,13 @@ class ORTModuleEngine:
             from onnxruntime.training.ortmodule import ORTModule
 
             with_loss: nn.Module = WithLoss(ctx.model, ctx.loss, ctx.layout)
+            example = (*ctx.layout.flatten(ctx.example[0]), ctx.example[1])
+            # BatchNorm running statistics: ORT writes each batch's statistics into the torch buffers, ortflow
+            # applies torch's update around every training forward (accel/batchnorm.py).
+            self.norms = batchnorm.BatchNorms.find(with_loss, lambda: with_loss(*example), NAME)
+            self.batch_statistics = batchnorm.BatchStatistics.of(ctx.model)
             self.masks: list[DropoutMask] = []
             if settings.rewrite_dropout:
-                example = (*ctx.layout.flatten(ctx.example[0]), ctx.example[1])
                 with_loss, self.masks = fed_dropout.wrap(with_loss, example)
             self.module = ORTModule(with_loss, debug_options(ctx.debug, ctx.onnx_dir))
         if self.masks:
@@ -170,8 +146,11 @@ class ORTModuleEngine:
         self.loss, self.layout = ctx.loss, ctx.layout
         # The inner engine gets the padded, flattened input tensors (positional), then the dropout masks.
         flat = Layout(ctx.layout.count + len(self.masks))
+        trained: nn.Module = self.module
+        if self.norms is not None:
+            trained = batchnorm.UpdatedAfterForward(self.module, self.norms, lambda: self.runs.forward)
         self.inner = EagerEngine(
-            ctx.wrap(self.module), ctx.model, ctx.loss, flat, ctx.optim, ctx.grad_clip, ctx.reduce_loss
+            ctx.wrap(trained), ctx.model, ctx.loss, flat, ctx.optim, ctx.grad_clip, ctx.reduce_loss
         )
         self.batch_size = ctx.batch_size  # the shape ORT's graphs are exported for
         self.called: set[str] = set()  # the modes ("train", "eval") already run once
@@ -217,6 +196,8 @@ class ORTModuleEngine:
         return self.train_micro([(inputs, targets)])
 
     def train_micro(self, micro: Sequence[tuple[Inputs, torch.Tensor]]) -> float:
+        for _, targets in micro:
+            self.batch_statistics.check_training_batch(targets.size(0), self.batch_size, NAME)
         padded = [pad_batch(self.layout.flatten(x), y, self.batch_size, self.loss) for x, y in micro]
         if self.masks:  # each micro-batch its own masks (the sampler's buffers serve one at a time)
             draws = [self.sampler.draw()] if len(micro) == 1 else [draw_masks(self.masks) for _ in micro]
@@ -241,6 +222,7 @@ class ORTModuleEngine:
 
     def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
         real = targets.size(0)
+        self.batch_statistics.check_eval_batch(real, self.batch_size, NAME)
         tensors, padded = pad_eval_batch(self.layout.flatten(inputs), targets, self.batch_size)
         before = self.runs.inference
         output = self._run(self._eval, tensors, padded, "eval")
@@ -276,4 +258,5 @@ class ORTModuleEngine:
             "ort_eval_batches": self.ort_evals,
             "torch_fallback_eval_batches": self.torch_evals,
             "graph_fixes": dict(self.graph_fixes),
+            **(self.norms.describe() if self.norms is not None else {}),
         }

@@ -14,6 +14,8 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from ortflow.accel.batchnorm import batch_statistics_in_place
+
 log = logging.getLogger(__name__)
 
 
@@ -120,6 +122,90 @@ def attention_dropout_in_training_mode(model: onnx.ModelProto) -> int:
     del graph.node[:]
     graph.node.extend(nodes)
     return changed
+
+
+def decompose_instance_norms(model: onnx.ModelProto) -> int:
+    """Rewrite every `InstanceNormalization(x, scale, bias)` as the arithmetic it stands for:
+    `d = x - ReduceMean(x, spatial axes)`, `y = d / Sqrt(ReduceMean(d * d, spatial axes) + epsilon) * scale + bias`
+    (scale and bias per channel, axis 1).
+
+    ORT 1.19 has no gradient for InstanceNormalization ("The gradient builder has not been registered"), and torch
+    exports both nn.InstanceNorm* and nn.GroupNorm with it (GroupNorm as Reshape(N, G, -1) -> InstanceNormalization
+    with ones and zeros -> Reshape -> Mul(weight) -> Add(bias)). The replacement's ops all have ORT gradients and give
+    the same values (measured: GroupNorm trains at eager's loss within 1.2e-7). A constant all-ones scale and
+    all-zeros bias (GroupNorm's) are left out; the constants that fed only them are removed.
+    """
+    graph = model.graph
+    if not any(node.op_type == "InstanceNormalization" for node in graph.node):
+        return 0
+    # Constant nodes only: an initializer may be a trainable parameter that merely starts at ones or zeros.
+    constants = {
+        node.output[0]: numpy_helper.to_array(attr.t)
+        for node in graph.node
+        if node.op_type == "Constant"
+        for attr in node.attribute
+        if attr.name == "value"
+    }
+    types = _value_types(model)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    nodes: list[onnx.NodeProto] = []
+    changed = 0
+    for node in graph.node:
+        type_ = types.get(node.input[0]) if node.op_type == "InstanceNormalization" else None
+        if type_ is None or not type_.tensor_type.HasField("shape") or len(type_.tensor_type.shape.dim) < 3:
+            nodes.append(node)  # not an InstanceNormalization, or its input's rank is unknown
+            continue
+        rank = len(type_.tensor_type.shape.dim)
+        base = node.name or node.output[0]
+        x, scale, bias = node.input[0], node.input[1], node.input[2]
+        epsilon = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        axes = list(range(2, rank))
+        eps = _const(nodes, f"{base}/epsilon", np.array(epsilon, dtype=np.float32))
+        nodes.append(_reduce_mean(nodes, f"{base}/mean", x, axes, opset))
+        nodes += [
+            helper.make_node("Sub", [x, f"{base}/mean"], [f"{base}/centred"], name=f"{base}/Sub"),
+            helper.make_node("Mul", [f"{base}/centred"] * 2, [f"{base}/squared"], name=f"{base}/Square"),
+        ]
+        nodes.append(_reduce_mean(nodes, f"{base}/variance", f"{base}/squared", axes, opset))
+        nodes += [
+            helper.make_node("Add", [f"{base}/variance", eps], [f"{base}/variance_eps"], name=f"{base}/Add"),
+            helper.make_node("Sqrt", [f"{base}/variance_eps"], [f"{base}/std"], name=f"{base}/Sqrt"),
+            helper.make_node("Div", [f"{base}/centred", f"{base}/std"], [f"{base}/normalised"], name=f"{base}/Div"),
+        ]
+        # Per-channel affine, (C,) reshaped to (C, 1, ..., 1), unless it is the identity.
+        shape = _const(nodes, f"{base}/channel_shape", np.array([-1] + [1] * (rank - 2), dtype=np.int64))
+        result = f"{base}/normalised"
+        for op, role, value, identity in (("Mul", "scale", scale, 1.0), ("Add", "shift", bias, 0.0)):
+            known = constants.get(value)
+            if known is not None and np.all(known == identity):
+                continue
+            param, out = f"{base}/{role}_per_channel", f"{base}/{role}d"
+            nodes.append(helper.make_node("Reshape", [value, shape], [param], name=f"{base}/{role}_reshape"))
+            nodes.append(helper.make_node(op, [result, param], [out], name=f"{base}/{role}"))
+            result = out
+        last = next(n for n in reversed(nodes) if result in n.output)
+        last.output[0] = node.output[0]  # the last op writes the InstanceNormalization's output
+        changed += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    _remove_unused_constants(graph)
+    return changed
+
+
+def _reduce_mean(nodes: list[onnx.NodeProto], name: str, value: str, axes: list[int], opset: int) -> onnx.NodeProto:
+    """ReduceMean over `axes` keeping them (from opset 18 on the axes are an input, a constant added to `nodes`)."""
+    if opset >= 18:
+        axes_input = _const(nodes, f"{name}/axes", np.array(axes, dtype=np.int64))
+        return helper.make_node("ReduceMean", [value, axes_input], [name], name=name, keepdims=1)
+    return helper.make_node("ReduceMean", [value], [name], name=name, axes=axes, keepdims=1)
+
+
+def _remove_unused_constants(graph: onnx.GraphProto) -> None:
+    """Constant nodes nothing reads any more (initializers are left: they may be parameters the engine names)."""
+    used = {name for node in graph.node for name in node.input} | {out.name for out in graph.output}
+    alive = [n for n in graph.node if n.op_type != "Constant" or any(o in used for o in n.output)]
+    del graph.node[:]
+    graph.node.extend(alive)
 
 
 # ------------------------------------------------------------------------------------------------- speed
@@ -290,7 +376,11 @@ def prepare_training_graph(
     """All fixes and the rewrites asked for, on a forward graph about to be differentiated by ORT (`feeds`: example
     inputs, to find shapes shape inference cannot). Returns how many nodes each changed (only those that changed
     something) and the dropout masks the engine must feed."""
-    fixes = {"attention_dropout_in_training_mode": attention_dropout_in_training_mode(model)}
+    fixes = {
+        "attention_dropout_in_training_mode": attention_dropout_in_training_mode(model),
+        "batchnorm_batch_statistics_in_place": batch_statistics_in_place(model),
+        "instance_norm_decomposed": decompose_instance_norms(model),
+    }
     masks = dropout_to_mask_inputs(model, feeds) if rewrites.dropout_masks else []
     fixes |= {"dropout_to_mask_inputs": len(masks), "dropout_mask_outputs": add_dropout_masks(model)}
     if rewrites.gathers:

@@ -1,0 +1,192 @@
+"""Convolutions run by torch's own kernels inside ONNX Runtime's graphs (`accel.aten_conv`; transposed ones always).
+
+Why: ORT's CPU build trains convolutions with its own kernels, about half as fast as torch's oneDNN ones (a plain
+VGG-style CNN trained at 0.44x eager in both ORT engines; ORT's ConvGrad alone was two thirds of a step), and it has
+no ConvTransposeGrad at all ("Could not find an implementation for ConvTransposeGrad"). ORT can hand chosen nodes to
+torch: an `org.pytorch.aten::ATen` node runs a torch operator through the ATen executor extension (built with
+ORTModule's other extensions, accel/extensions.py).
+
+How (symbolics.py puts it in place only while an ORT engine exports):
+- forward: the exporter's `aten::_convolution` (every nn.Conv*d, F.conv*d and transposed convolution) becomes one
+  ATen node running `aten::convolution` with the same arguments; `aten::_convolution_mode` (padding="same"/"valid")
+  too where that padding is symmetric;
+- gradient: ORT builds it from the definition registered here: one ATen node running `ortflow::convolution_backward`,
+  a small torch operator around `aten::convolution_backward` (so no helper node computes the bias size: ORT's
+  gradient builder rejects helper nodes whose input needs no gradient, as the first convolution's image).
+
+The engines load the executor before their sessions and turn ORT's spin-waiting off (idle ORT threads spinning
+compete with the torch threads running these kernels).
+"""
+
+from typing import Any
+
+import onnx
+import torch
+from torch.onnx import symbolic_helper
+
+from ortflow.accel import compat
+
+OPERATOR = "convolution"  # aten::convolution, the forward node's operator
+BACKWARD = "ortflow::convolution_backward"
+
+
+# The schema spelled out (torch 2.6 infers none from list[int]; plain ints suit ORT's ATen executor).
+SCHEMA = (
+    "(Tensor grad_output, Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, "
+    "bool transposed, int[] output_padding, int groups) -> (Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op(BACKWARD, mutates_args=(), schema=SCHEMA)
+def convolution_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    transposed: bool,
+    output_padding: list[int],
+    groups: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of aten::convolution for its input, weight and bias (an empty tensor without bias): what the
+    ATen gradient node runs. Takes the forward's own arguments, so the bias size comes from the weight's shape."""
+    channels = weight.size(1) * groups if transposed else weight.size(0)
+    grads = torch.ops.aten.convolution_backward(
+        grad_output.contiguous(),
+        input,
+        weight,
+        [channels] if bias is not None else None,
+        stride,
+        padding,
+        dilation,
+        transposed,
+        output_padding,
+        groups,
+        [True, True, bias is not None],
+    )
+    grad_bias = grads[2] if bias is not None else weight.new_empty(0)
+    return grads[0], grads[1], grad_bias
+
+
+def gradient() -> list[tuple]:
+    """ORT's gradient definition for the forward ATen node (see onnxruntime's _custom_gradient_registry.py): one ATen
+    node, inputs GO(0) and the forward node's nine inputs, outputs the gradients of input, weight and bias."""
+    return [
+        (
+            ("ATen", "org.pytorch.aten"),
+            ["GO(0)", *(f"I({i})" for i in range(9))],
+            ["GI(0)", "GI(1)", "GI(2)"],
+            {"operator": {"value": BACKWARD, "dtype": "string"}},
+        )
+    ]
+
+
+def register_gradient() -> None:
+    """Give ORT the gradient of the ATen convolution node (once per process; ORTModule publishes its registry when it
+    is built, the artifacts engine before generate_artifacts)."""
+    compat.register_ort_gradient(OPERATOR, "", gradient)
+
+
+def count(model: onnx.ModelProto) -> int:
+    """How many convolutions of an exported graph are ATen nodes."""
+    return sum(
+        node.op_type == "ATen" and any(a.name == "operator" and a.s == OPERATOR.encode() for a in node.attribute)
+        for node in model.graph.node
+    )
+
+
+def type_gradient_outputs(model: onnx.ModelProto) -> int:
+    """Declare the types of the gradient nodes' outputs in a training graph (those of grad_output): ORT's gradient
+    builder leaves them untyped and ORT's type inference cannot type a custom operator's outputs ("type inference
+    failed"). Returns how many it declared."""
+    graph = model.graph
+    typed = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    typed |= {i.name: i.data_type for i in graph.initializer}
+    declared = 0
+    for node in graph.node:
+        if node.op_type != "ATen" or not any(a.name == "operator" and a.s == BACKWARD.encode() for a in node.attribute):
+            continue
+        elem = typed.get(node.input[0]) or onnx.TensorProto.FLOAT
+        for name in node.output:
+            if name and not typed.get(name):
+                graph.value_info.append(onnx.helper.make_empty_tensor_value_info(name))
+                graph.value_info[-1].type.tensor_type.elem_type = elem
+                typed[name] = elem
+                declared += 1
+    return declared
+
+
+def _ints(g: Any, values: list[int]) -> Any:
+    return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
+
+
+def emit(g: Any, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups) -> Any:
+    """One ATen node running aten::convolution (its output typed as the traced convolution's)."""
+    output = g.op(
+        "org.pytorch.aten::ATen",
+        input,
+        weight,
+        bias,
+        _ints(g, stride),
+        _ints(g, padding),
+        _ints(g, dilation),
+        g.op("Constant", value_t=torch.tensor(bool(transposed))),
+        _ints(g, output_padding),
+        g.op("Constant", value_t=torch.tensor(groups, dtype=torch.int64)),
+        operator_s=OPERATOR,
+        overload_name_s="",
+    )
+    output.setType(g.original_node.output().type())
+    return output
+
+
+def convolution_symbolic(all_convolutions: bool, native) -> Any:
+    """The `aten::_convolution` symbolic: an ATen node for transposed convolutions always (ORT has no CPU gradient
+    for ConvTranspose) and for every convolution with `all_convolutions`; otherwise `native` (ORT's Conv)."""
+
+    @symbolic_helper.parse_args("v", "v", "v", "is", "is", "is", "i", "is", "i", "i", "i", "i", "i")
+    def symbolic(
+        g,
+        input,
+        weight,
+        bias,
+        stride,
+        padding,
+        dilation,
+        transposed,
+        output_padding,
+        groups,
+        benchmark,
+        deterministic,
+        cudnn_enabled,
+        allow_tf32=None,
+    ):
+        args = (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+        if not (all_convolutions or transposed):
+            return native(g, *args, benchmark, deterministic, cudnn_enabled, allow_tf32)
+        return emit(g, *args)
+
+    return symbolic
+
+
+def convolution_mode_symbolic(native) -> Any:
+    """The `aten::_convolution_mode` symbolic (padding="valid" or "same", stride 1): an ATen node with the padding
+    written out where it is the same on both sides of every dimension; otherwise `native`."""
+
+    @symbolic_helper.parse_args("v", "v", "v", "is", "s", "is", "i")
+    def symbolic(g, input, weight, bias, stride, padding, dilation, groups):
+        sizes = symbolic_helper._get_tensor_sizes(weight)
+        kernel = sizes[2:] if sizes else None
+        if kernel is None or any(k is None for k in kernel) or padding not in ("valid", "same"):
+            return native(g, input, weight, bias, stride, padding, dilation, groups)
+        dilation = dilation if len(dilation) == len(kernel) else dilation * len(kernel)
+        totals = [d * (k - 1) for d, k in zip(dilation, kernel, strict=True)]
+        if padding == "same" and any(t % 2 for t in totals):
+            return native(g, input, weight, bias, stride, padding, dilation, groups)
+        pads = [t // 2 for t in totals] if padding == "same" else [0] * len(kernel)
+        stride = stride if len(stride) == len(kernel) else stride * len(kernel)
+        return emit(g, input, weight, bias, stride, pads, dilation, False, [0] * len(kernel), groups)
+
+    return symbolic

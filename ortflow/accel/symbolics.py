@@ -1,0 +1,136 @@
+"""ONNX export symbolics ortflow uses while an ORT engine exports a model (`ort_export`).
+
+- `aten::_convolution`, `aten::_convolution_mode`: convolutions as ATen nodes run by torch's kernels
+  (accel/aten_conv.py): transposed ones always, all with `accel.aten_conv`.
+- `aten::batch_norm` without running statistics (BatchNorm(track_running_stats=False)) and `aten::instance_norm`:
+  torch's own need the batch and channel sizes as constants ("batch_size and channel_size must be non-None",
+  "ONNX export of instance_norm for unknown channel size"), which ORTModule's export, every input dimension
+  dynamic, does not have. These compute the same batch statistics, and the same ones/zeros for a missing weight and
+  bias, from the tensor's shape at run time.
+
+torch keeps custom symbolics per opset for the whole process, and has no way to read one back. So each is registered
+once per opset as a dispatcher: inside `ort_export` it does the above, outside it (ortflow's own inference export,
+export.onnx, or a user's torch.onnx.export) it calls what would have run without it: ORT's symbolic where ORTModule
+registered one, else torch's own.
+"""
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.onnx import symbolic_helper
+
+from ortflow.accel import aten_conv, compat
+
+
+@dataclass(frozen=True)
+class _Export:
+    aten_conv: bool  # every convolution as an ATen node (transposed ones always)
+
+
+_ACTIVE: contextvars.ContextVar[_Export | None] = contextvars.ContextVar("ortflow_ort_export", default=None)
+
+
+def _torch_batch_norm(g, *args):
+    return compat.torch_symbolic("symbolic_opset14", "batch_norm")(g, *args)
+
+
+def _torch_instance_norm(g, *args):
+    return compat.torch_symbolic("symbolic_opset9", "instance_norm")(g, *args)
+
+
+def batch_norm(g, input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
+    """Without running statistics and without static sizes: the batch mean and biased variance over every axis but
+    the channels (ReduceMean), fed to BatchNormalization in training mode, as torch's own symbolic does."""
+    args = (input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
+    rank = symbolic_helper._get_tensor_rank(input)
+    sizes = symbolic_helper._get_tensor_sizes(input) or []
+    static = len(sizes) >= 2 and sizes[0] is not None and sizes[1] is not None
+    tracked = not (symbolic_helper._is_none(running_mean) or symbolic_helper._is_none(running_var))
+    if _ACTIVE.get() is None or tracked or static or rank is None:
+        return _torch_batch_norm(g, *args)
+    axes = [0, *range(2, rank)]
+    mean_kept = g.op("ReduceMean", input, axes_i=axes, keepdims_i=1)  # (1, C, 1, ...)
+    centred = g.op("Sub", input, mean_kept)
+    variance = g.op("ReduceMean", g.op("Mul", centred, centred), axes_i=axes, keepdims_i=0)  # biased, (C,)
+    mean = g.op("ReduceMean", input, axes_i=axes, keepdims_i=0)
+    weight = weight if not symbolic_helper._is_none(weight) else _filled(g, mean, 1.0)
+    bias = bias if not symbolic_helper._is_none(bias) else _filled(g, mean, 0.0)
+    out = g.op(
+        "BatchNormalization",
+        input,
+        weight,
+        bias,
+        mean,
+        variance,
+        epsilon_f=symbolic_helper._maybe_get_const(eps, "f"),
+        momentum_f=1 - symbolic_helper._maybe_get_const(momentum, "f"),
+        training_mode_i=1,
+        outputs=3,
+    )
+    return out[0]
+
+
+def instance_norm(g, input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled):
+    """Without a static channel size: InstanceNormalization with ones and zeros of the input's channel count for a
+    missing weight and bias (ortflow's rewrite then writes it out: ORT has no gradient for it)."""
+    args = (input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled)
+    sizes = symbolic_helper._get_tensor_sizes(input) or []
+    static = len(sizes) >= 2 and sizes[1] is not None
+    tracked = not (symbolic_helper._is_none(running_mean) or symbolic_helper._is_none(running_var))
+    if _ACTIVE.get() is None or tracked or static:
+        return _torch_instance_norm(g, *args)
+    channels = g.op(
+        "Slice",
+        g.op("Shape", input),
+        g.op("Constant", value_t=torch.tensor([1])),
+        g.op("Constant", value_t=torch.tensor([2])),
+    )
+    weight = weight if not symbolic_helper._is_none(weight) else _filled(g, channels, 1.0, shape=True)
+    bias = bias if not symbolic_helper._is_none(bias) else _filled(g, channels, 0.0, shape=True)
+    return g.op("InstanceNormalization", input, weight, bias, epsilon_f=symbolic_helper._maybe_get_const(eps, "f"))
+
+
+def _filled(g, like, value: float, shape: bool = False):
+    """A float tensor of `value` shaped like `like` (or shaped `like`, a shape, with shape=True)."""
+    return g.op("ConstantOfShape", like if shape else g.op("Shape", like), value_t=torch.tensor([value]))
+
+
+def _convolution(g, *args):
+    active = _ACTIVE.get()
+    native = compat.ort_symbolic("::_convolution") or compat.torch_symbolic("symbolic_opset9", "_convolution")
+    if active is None:
+        return native(g, *args)
+    return aten_conv.convolution_symbolic(active.aten_conv, native)(g, *args)
+
+
+def _convolution_mode(g, *args):
+    active = _ACTIVE.get()
+    native = compat.ort_symbolic("::_convolution_mode") or compat.torch_symbolic("symbolic_opset9", "_convolution_mode")
+    if active is None or not active.aten_conv:
+        return native(g, *args)
+    return aten_conv.convolution_mode_symbolic(native)(g, *args)
+
+
+SYMBOLICS: dict[str, Callable[..., Any]] = {
+    "::_convolution": _convolution,
+    "::_convolution_mode": _convolution_mode,
+    "::batch_norm": batch_norm,
+    "::instance_norm": instance_norm,
+}
+
+
+@contextlib.contextmanager
+def ort_export(opset: int, aten_conv_all: bool) -> Iterator[None]:
+    """Around an ORT engine's export at `opset`: ortflow's symbolics in force (registered over whatever was there at
+    that opset, ORTModule's own included, which they call where they change nothing)."""
+    for name, symbolic in SYMBOLICS.items():
+        torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
+    token = _ACTIVE.set(_Export(aten_conv_all))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)

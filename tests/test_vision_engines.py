@@ -1,0 +1,328 @@
+"""Vision models in both ORT engines: convolutions, BatchNorm's running statistics kept exactly as eager PyTorch keeps
+them (training, accumulation, eval, checkpoint/resume, export), GroupNorm/InstanceNorm, each proven executed by ORT's
+own run counters (describe()).
+
+Models and data are small and made here: random 3x16x16 images (and 1-D signals), batch 8, 5 classes.
+"""
+
+import copy
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from ortflow import accel
+from ortflow.accel.engine import EngineContext
+from ortflow.config import DebugConfig, OptimConfig
+from ortflow.errors import ModelError
+from tests.conftest import make_cfg
+
+STEPS = 4
+BATCH = 8
+CLASSES = 5
+# Loss parity against eager on the first steps (dropout off). Measured: ORTModule <= 3e-7, artifacts <= 2e-6 (ORT's
+# own AdamW graph); the bounds leave ample headroom and still fail on a wrong statistic or a missed update.
+RTOL = {"ortmodule": 1e-5, "artifacts": 1e-4}
+STATS_ATOL = 1e-4  # running statistics after STEPS steps (measured <= 3e-7)
+
+optim = OmegaConf.structured(OptimConfig)
+
+
+def make_engine(kind: str, model: nn.Module, example, tmp: Path, accumulate: int = 1, **settings):
+    """An engine as the runner builds it: from conf/accel/<kind>.yaml and an EngineContext."""
+    cfg = make_cfg(f"accel={kind}", *(f"accel.{key}={value}" for key, value in settings.items()))
+    ctx = EngineContext(
+        model, example, optim, debug=OmegaConf.structured(DebugConfig), onnx_dir=tmp / kind, accumulate=accumulate
+    )
+    return accel.build(cfg.accel, ctx)
+
+
+def images(steps: int = STEPS, seed: int = 0, shape=(3, 16, 16)) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, *shape, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)) for _ in range(steps)]
+
+
+def conv_bn(momentum: float | None = 0.1, track: bool = True) -> nn.Module:
+    """Conv -> BatchNorm2d -> ReLU twice, pooled, then Linear -> BatchNorm1d (a 2-D input) -> Linear.
+
+    The layers before a BatchNorm have no bias, as usual: a bias there gets gradients that are only rounding noise,
+    which AdamW turns into steps of size lr in directions that differ between runtimes (and the running mean with
+    them), while the loss does not depend on it."""
+    torch.manual_seed(0)
+
+    def bn2d(c: int) -> nn.BatchNorm2d:
+        return nn.BatchNorm2d(c, momentum=momentum, track_running_stats=track)
+
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        bn2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False),
+        bn2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 16, bias=False),
+        nn.BatchNorm1d(16, momentum=momentum, track_running_stats=track),
+        nn.ReLU(),
+        nn.Linear(16, CLASSES),
+    )
+
+
+def buffers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if "running_" in k or "num_batches_tracked" in k}
+
+
+def train_both(kind: str, build, batches, tmp: Path, accumulate: int = 1, **settings):
+    """The same model trained by eager PyTorch and by `kind` on the same batches: (eager, engine, eager losses,
+    engine losses)."""
+    model = build()
+    eager = make_engine("none", copy.deepcopy(model), batches[0], tmp, accumulate)
+    engine = make_engine(kind, model, batches[0], tmp, accumulate, **settings)
+    if accumulate == 1:
+        expected = [eager.train_step(x, y) for x, y in batches]
+        got = [engine.train_step(x, y) for x, y in batches]
+    else:
+        groups = [batches[i : i + accumulate] for i in range(0, len(batches), accumulate)]
+        expected = [eager.train_micro(g) for g in groups]
+        got = [engine.train_micro(g) for g in groups]
+    return eager, engine, expected, got
+
+
+def assert_ort_trained(engine, steps: int) -> None:
+    info = engine.describe()
+    assert info["executed_by"] == "onnxruntime" and info["ort_train_steps"] == steps, info
+    if engine.name == "ortmodule":
+        forward, backward, _ = engine.runs.snapshot()
+        assert forward >= steps and backward >= steps
+
+
+def assert_same_statistics(eager, engine) -> None:
+    want, got = buffers(eager.model_state_dict()), buffers(engine.model_state_dict())
+    assert want and want.keys() == got.keys()
+    for name, value in want.items():
+        if name.endswith("num_batches_tracked"):
+            assert torch.equal(got[name], value), name
+        else:
+            torch.testing.assert_close(got[name], value, rtol=0, atol=STATS_ATOL, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------ BatchNorm
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+def test_batchnorm_trains_and_keeps_eagers_running_statistics(kind, momentum, tmp_path):
+    batches = images()
+    eager, engine, expected, got = train_both(kind, lambda: conv_bn(momentum), batches, tmp_path)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
+    assert got != expected  # identical bits would mean PyTorch ran it
+    assert_ort_trained(engine, STEPS)
+    info = engine.describe()
+    assert info["batchnorm_layers"] == 3 and info["batchnorm_updates"] == STEPS
+    assert info["graph_fixes"]["batchnorm_batch_statistics_in_place"] == 3
+    assert_same_statistics(eager, engine)
+    assert int(engine.model_state_dict()["1.num_batches_tracked"]) == STEPS
+    # Evaluation uses the running statistics: eager's outputs, from ORT's eval graph.
+    x, y = images(1, seed=1)[0]
+    want, have = eager.eval_step(x, y), engine.eval_step(x, y)
+    assert have.loss_sum == pytest.approx(want.loss_sum, rel=1e-4)
+    assert engine.describe()["ort_eval_batches"] == 1
+
+
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+def test_batchnorm_without_running_statistics_trains_and_evaluates_with_batch_statistics(kind, tmp_path):
+    batches = images()
+    eager, engine, expected, got = train_both(kind, lambda: conv_bn(track=False), batches, tmp_path)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
+    assert_ort_trained(engine, STEPS)
+    assert "batchnorm_updates" not in engine.describe()  # nothing to keep
+    x, y = images(1, seed=1)[0]
+    assert engine.eval_step(x, y).loss_sum == pytest.approx(eager.eval_step(x, y).loss_sum, rel=1e-4)
+    # The batch's statistics in evaluation too: a short batch would be padded, and is refused instead.
+    with pytest.raises(ModelError, match="evaluation batch of 5 samples"):
+        engine.eval_step(x[:5], y[:5])
+
+
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+def test_accumulated_micro_batches_each_update_the_statistics(kind, tmp_path):
+    batches = images(4)
+    eager, engine, expected, got = train_both(kind, conv_bn, batches, tmp_path, accumulate=2)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
+    assert engine.describe()["batchnorm_updates"] == 4  # one per micro-batch forward, as eager
+    assert_same_statistics(eager, engine)
+    assert int(engine.model_state_dict()["1.num_batches_tracked"]) == 4
+
+
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+def test_a_short_training_batch_is_refused_for_batchnorm(kind, tmp_path):
+    x, y = images(1)[0]
+    engine = make_engine(kind, conv_bn(), (x, y), tmp_path)
+    with pytest.raises(ModelError, match="training batch of 5 samples"):
+        engine.train_step(x[:5], y[:5])
+
+
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+def test_running_statistics_survive_save_and_restore(kind, tmp_path):
+    """What a checkpoint holds (model_state_dict, optimizer_state) rebuilt into a new engine around a model that
+    loaded those weights continues exactly as the engine that wrote it."""
+    batches = images(6)
+    model = conv_bn()
+    first = make_engine(kind, model, batches[0], tmp_path / "a")
+    for x, y in batches[:3]:
+        first.train_step(x, y)
+    saved = io.BytesIO()  # as a checkpoint file holds them (torch.optim's state would share tensors otherwise)
+    torch.save({"model": first.model_state_dict(), "optimizer": first.optimizer_state()}, saved)
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=True)
+    weights, optimizer = checkpoint["model"], checkpoint["optimizer"]
+    restored = conv_bn()
+    restored.load_state_dict(weights)
+    second = make_engine(kind, restored, batches[0], tmp_path / "b")
+    assert second.load_optimizer_state(optimizer)
+    for name, value in buffers(second.model_state_dict()).items():  # the build (an export) left them alone
+        assert torch.equal(value, weights[name]), name
+    continued = [second.train_step(x, y) for x, y in batches[3:]]
+    uninterrupted = [first.train_step(x, y) for x, y in batches[3:]]
+    torch.testing.assert_close(torch.tensor(continued), torch.tensor(uninterrupted), rtol=1e-6, atol=0)
+    a, b = first.model_state_dict(), second.model_state_dict()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
+    x, y = images(1, seed=1)[0]
+    assert second.eval_step(x, y).loss_sum == pytest.approx(first.eval_step(x, y).loss_sum, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+def test_the_exported_inference_model_uses_the_running_statistics(kind, tmp_path):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ortflow.data import Data
+    from ortflow.run.export import inference_onnx
+
+    batches = images()
+    eager, engine, _, _ = train_both(kind, conv_bn, batches, tmp_path)
+    val = images(1, seed=1)[0]
+    data = Data(DataLoader(TensorDataset(*batches[0]), BATCH), DataLoader(TensorDataset(*val), BATCH), {})
+    model = conv_bn()
+    record = inference_onnx(model, engine.model_state_dict(), data, tmp_path, 17)
+    assert record["max_abs_diff"] < 1e-5  # ONNX Runtime's inference against torch with the same weights
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(record["file"], providers=["CPUExecutionProvider"])
+    (got,) = session.run(["output"], {"input": val[0].numpy()})
+    eager.model.eval()
+    with torch.no_grad():
+        expected = eager.model(val[0])  # eager's own running statistics
+    torch.testing.assert_close(torch.from_numpy(got), expected, rtol=1e-4, atol=1e-4)
+
+
+class Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, CLASSES))
+
+    def forward(self, x):
+        return self.head(self.bn(self.conv(self.bn(x))))
+
+
+class OwnForward(nn.BatchNorm2d):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+@pytest.mark.parametrize(
+    ("layer", "says"),
+    [
+        (lambda: nn.SyncBatchNorm(3), "averages the batch statistics across processes"),
+        (lambda: OwnForward(3), "forward of its own"),
+        (lambda: nn.InstanceNorm2d(3, track_running_stats=True), "keeps no running statistics"),
+        (None, "runs it more than once"),
+    ],
+    ids=["sync", "own_forward", "instance_norm_tracking", "called_twice"],
+)
+def test_normalisation_it_cannot_keep_exactly_is_refused_with_the_reason(kind, layer, says, tmp_path):
+    model = Shared() if layer is None else nn.Sequential(layer(), nn.Flatten(), nn.Linear(3 * 16 * 16, CLASSES))
+    with pytest.raises(ModelError, match=says) as refused:
+        make_engine(kind, model, images(1)[0], tmp_path)
+    assert "sequence-first" not in str(refused.value)
+
+
+# ------------------------------------------------------------------------------------------------ GroupNorm & co.
+def norms_model() -> nn.Module:
+    """GroupNorm, InstanceNorm (affine and not) and a LayerNorm over (C, H, W)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.GroupNorm(4, 8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.InstanceNorm2d(8, affine=True),
+        nn.ReLU(),
+        nn.Conv2d(8, 4, 3, stride=2, padding=1),
+        nn.InstanceNorm2d(4),
+        nn.LayerNorm([4, 8, 8]),
+        nn.Flatten(),
+        nn.Linear(4 * 8 * 8, CLASSES),
+    )
+
+
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+def test_group_instance_and_layer_norm_train_with_parity(kind, tmp_path):
+    batches = images()
+    eager, engine, expected, got = train_both(kind, norms_model, batches, tmp_path)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
+    assert_ort_trained(engine, STEPS)
+    if kind == "artifacts":  # GroupNorm's and both InstanceNorms' InstanceNormalization, written out
+        assert engine.describe()["graph_fixes"]["instance_norm_decomposed"] == 3
+    x, y = images(1, seed=1)[0]
+    assert engine.eval_step(x, y).loss_sum == pytest.approx(eager.eval_step(x, y).loss_sum, rel=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ convolutions
+class ConvFamilies(nn.Module):
+    """Conv1d, Conv2d, ConvTranspose2d and a depthwise Conv2d (groups = channels) on 3x16x16 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.conv1d = nn.Conv1d(4, 4, 5, padding=2)
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, x):
+        x = torch.relu(self.depthwise(torch.relu(self.conv(x))))
+        x = self.up(x)  # (B, 4, 32, 32)
+        x = self.conv1d(x.flatten(2))  # (B, 4, 1024)
+        return self.head(x.mean(-1))
+
+
+class PatchEmbedding(nn.Module):
+    """A ViT-style classifier: a strided Conv2d cuts 4x4 patches, a transformer layer, mean pooling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = nn.Conv2d(3, 16, 4, stride=4)
+        self.position = nn.Parameter(torch.zeros(16, 16))
+        self.encoder = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        tokens = self.patches(x).flatten(2).transpose(1, 2) + self.position  # (B, 16 patches, 16)
+        return self.head(self.encoder(tokens).mean(1))
+
+
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+@pytest.mark.parametrize("family", [ConvFamilies, PatchEmbedding], ids=["conv_families", "patch_embedding"])
+def test_convolution_families_train_in_ort_with_parity(kind, family, tmp_path):
+    def build():
+        torch.manual_seed(0)
+        return family()
+
+    eager, engine, expected, got = train_both(kind, build, images(), tmp_path)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
+    assert got != expected
+    assert_ort_trained(engine, STEPS)
