@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ortflow.data.prepare import PrepareSettings, prepare
 from ortflow.run import checkpoint
 from tests.conftest import TESTS, TINY, run_cli
 
@@ -74,7 +75,9 @@ DATA = [
     ("data-empty-source", ["data.source="], "data.source"),
     ("data-fifo", ["data.source={made}/fifo"], "not a regular file"),
     ("data-dev-zero", ["data.source=/dev/zero"], "/dev/zero"),
-    ("data-above-max-bytes", ["data.source={corpus}/data/tiny.txt", "data.max_bytes=2"], "data.max_bytes=2"),
+    ("data-binary-file", ["data.source={made}/binary.txt"], "binary.txt' looks binary"),
+    ("data-tokenizer-unparsable", ["data.tokenizer={corpus}/data/tiny.txt"], "tiny.txt' is not a tokenizer file"),
+    ("data-truncated-tokens", ["data.source={made}/prepared"], "truncated or of another dtype"),
     ("run-dir-is-a-file", ["hydra.run.dir={made}/good.pt"], "not a directory"),
 ]
 CHECKPOINTS = [
@@ -126,6 +129,11 @@ def made(tmp_path_factory) -> Path:
     artifacts["optimizer"]["checkpoint"] = b"\x00garbage" * 64
     _resave(artifacts, out / "corrupt_ort_state.pt")
     os.mkfifo(out / "fifo")  # reading it would block forever
+    (out / "binary.txt").write_bytes(b"text, then \0\1\2 bytes no text file holds")
+    store = prepare(PrepareSettings("python_docs", tokenizer="bpe", bpe_vocab_size=300, cache_dir=str(out / "cache")))
+    shutil.copytree(store.path, out / "prepared")
+    train = out / "prepared" / "train.bin"
+    train.write_bytes(train.read_bytes()[:-1])  # a token file cut short
     auto_run = out / "auto_run" / "checkpoints"
     auto_run.mkdir(parents=True)
     (auto_run / "step-00000006.pt").write_bytes(good[:1000])

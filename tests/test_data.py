@@ -26,7 +26,7 @@ def test_any_local_text_file_is_lm_data(tmp_path):
     text = "the quick brown fox jumps over the lazy dog. " * 200
     path = tmp_path / "corpus.txt"
     path.write_text(text)
-    data = build_text_data(str(path), block_size=16, batch_size=4, val_fraction=0.1, seed=0)
+    data = build_text_data(str(path), 16, 4, 0.1, seed=0, cache_dir=str(tmp_path / "cache"))
     assert data.info["unigram_entropy"] == pytest.approx(unigram_entropy(text.encode()))
     assert data.info["val_windows"] > 0
 
@@ -39,8 +39,13 @@ def test_missing_file_names_the_file_and_the_key(tmp_path):
 def test_too_small_file_says_what_to_change(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_text("hello")
-    with pytest.raises(OrtflowError, match=r"too few.*data\.block_size"):
-        build_text_data(str(path), 16, 4, 0.1, 0)
+    with pytest.raises(OrtflowError, match=r"tiny\.txt' has 5 bytes, too few to hold out a validation split"):
+        build_text_data(str(path), 16, 4, 0.1, 0, cache_dir=str(tmp_path / "cache"))
+    path.write_text("hello world. " * 300)
+    with pytest.raises(OrtflowError, match=r"too few for one window of data\.block_size=1024"):
+        build_text_data(str(path), 1024, 4, 0.1, 0, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(OrtflowError, match=r"too few for one step .*data\.batch_size=64"):
+        build_text_data(str(path), 64, 64, 0.1, 0, cache_dir=str(tmp_path / "cache"))
 
 
 def test_unigram_entropy_of_two_equiprobable_bytes_is_log_2():

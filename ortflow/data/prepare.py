@@ -365,6 +365,8 @@ def prepare(settings: PrepareSettings, say: Callable[[str], None] = say_on_conso
     """
     src = sources.resolve(settings.source, settings.text_field)
     choice = choose(settings.tokenizer)
+    if choice.kind == "file":  # a file that does not load is refused before the cache is touched
+        HFTokenizer.from_file(choice.path)
     key = cache_key(src, settings, choice.identity(settings.bpe_vocab_size, settings.bpe_train_bytes))
     root = cache_root(settings)
     target = root / key
