@@ -42,7 +42,10 @@ def make_engine(kind: str, model: nn.Module, example, tmp: Path, accumulate: int
 
 def images(steps: int = STEPS, seed: int = 0, shape=(3, 16, 16)) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(BATCH, *shape, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)) for _ in range(steps)]
+    return [
+        (torch.randn(BATCH, *shape, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g))
+        for _ in range(steps)
+    ]
 
 
 def conv_bn(momentum: float | None = 0.1, track: bool = True) -> nn.Module:
@@ -322,7 +325,70 @@ def test_convolution_families_train_in_ort_with_parity(kind, family, tmp_path):
         torch.manual_seed(0)
         return family()
 
-    eager, engine, expected, got = train_both(kind, build, images(), tmp_path)
+    _, engine, expected, got = train_both(kind, build, images(), tmp_path)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
     assert got != expected
     assert_ort_trained(engine, STEPS)
+
+
+def vgg() -> nn.Module:
+    """A small VGG-style CNN (3x3 convolutions, ReLU, max-pooling), the shape the ATen path was measured on."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, CLASSES),
+    )
+
+
+@pytest.mark.parametrize("build", [vgg, conv_bn, lambda: ConvFamilies()], ids=["vgg", "conv_bn", "conv_families"])
+def test_aten_convolutions_give_eagers_loss_and_gradients_in_artifacts(build, tmp_path):
+    """accel.aten_conv: every convolution an ATen node run by torch's kernels; the loss and every gradient are
+    eager PyTorch's (closer than ORT's own Conv, which sums in another order), and those of the native path."""
+    from ortflow.accel.engine import WithLoss
+    from ortflow.step.batch import Layout
+    from ortflow.step.loss import CrossEntropy
+
+    x, y = images(1)[0]
+    torch.manual_seed(0)
+    model = build()
+    reference = WithLoss(copy.deepcopy(model), CrossEntropy(), Layout(1, single=True)).train()
+    aten = make_engine("artifacts", copy.deepcopy(model), (x, y), tmp_path / "aten", aten_conv=True)
+    convolutions = sum(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    assert aten.describe()["graph_fixes"]["convolutions_run_by_torch"] == convolutions
+    loss, grads = aten.gradients(x, y)
+    expected = reference(x, y)
+    expected.backward()
+    assert loss == pytest.approx(float(expected), rel=1e-6)
+    for name, p in reference.model.named_parameters():
+        torch.testing.assert_close(torch.from_numpy(grads[name]), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    if build is not vgg:
+        return
+    native = make_engine("artifacts", copy.deepcopy(model), (x, y), tmp_path / "native")
+    assert "convolutions_run_by_torch" not in native.describe()["graph_fixes"]
+    native_loss, native_grads = native.gradients(x, y)
+    assert native_loss == pytest.approx(loss, rel=1e-5)
+    for name, grad in native_grads.items():
+        torch.testing.assert_close(torch.from_numpy(grads[name]), torch.from_numpy(grad), rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", [vgg, conv_bn], ids=["vgg", "conv_bn"])
+def test_aten_convolutions_train_in_ortmodule_with_parity(build, tmp_path):
+    batches = images()
+    eager, engine, expected, got = train_both("ortmodule", build, batches, tmp_path, aten_conv=True)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL["ortmodule"], atol=0)
+    assert_ort_trained(engine, STEPS)
+    convolutions = sum(isinstance(m, nn.modules.conv._ConvNd) for m in eager.model.modules())
+    assert engine.describe()["graph_fixes"]["convolutions_run_by_torch"] == convolutions
+    if build is conv_bn:
+        assert_same_statistics(eager, engine)
+    _, native, _, native_losses = train_both("ortmodule", build, batches, tmp_path / "native", aten_conv=False)
+    assert "convolutions_run_by_torch" not in native.describe()["graph_fixes"]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(native_losses), rtol=RTOL["ortmodule"], atol=0)

@@ -231,6 +231,8 @@ class ArtifactsEngine:
         if self.aten_convs:
             compat.load_aten_executor()
             aten_conv.register_gradient()
+            trainable = {_PREFIX + n for n, p in model.named_parameters() if p.requires_grad}
+            aten_conv.set_gradient_masks(forward, trainable)
         example_feeds = {name: t.numpy() for name, t in zip(names, args, strict=True)}
         self.graph_fixes, self.masks = prepare_training_graph(forward, accel.rewrites(), example_feeds)
         if self.aten_convs:

@@ -8,11 +8,11 @@ ORTModule's other extensions, accel/extensions.py).
 
 How (symbolics.py puts it in place only while an ORT engine exports):
 - forward: the exporter's `aten::_convolution` (every nn.Conv*d, F.conv*d and transposed convolution) becomes one
-  ATen node running `aten::convolution` with the same arguments; `aten::_convolution_mode` (padding="same"/"valid")
-  too where that padding is symmetric;
-- gradient: ORT builds it from the definition registered here: one ATen node running `ortflow::convolution_backward`,
-  a small torch operator around `aten::convolution_backward` (so no helper node computes the bias size: ORT's
-  gradient builder rejects helper nodes whose input needs no gradient, as the first convolution's image).
+  ATen node running `ortflow::convolution` (aten::convolution, plus which gradients it needs); the same for
+  `aten::_convolution_mode` (padding="same"/"valid") where that padding is symmetric;
+- gradient: ORT builds it from the definition registered here: one ATen node running `ortflow::convolution_backward`
+  (aten::convolution_backward for the gradients asked for). One node and no helper: ORT's gradient builder rejected
+  a helper node computing the bias size for a convolution whose input needs no gradient (the image's).
 
 The engines load the executor before their sessions and turn ORT's spin-waiting off (idle ORT threads spinning
 compete with the torch threads running these kernels).
@@ -20,38 +20,41 @@ compete with the torch threads running these kernels).
 
 from typing import Any
 
+import numpy as np
 import onnx
 import torch
 from torch.onnx import symbolic_helper
 
 from ortflow.accel import compat
 
-OPERATOR = "convolution"  # aten::convolution, the forward node's operator
+OPERATOR = "ortflow::convolution"  # the forward node's operator
 BACKWARD = "ortflow::convolution_backward"
-
-
-# The schema spelled out (torch 2.6 infers none from list[int]; plain ints suit ORT's ATen executor).
-SCHEMA = (
-    "(Tensor grad_output, Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, "
-    "bool transposed, int[] output_padding, int groups) -> (Tensor, Tensor, Tensor)"
+_ARGS = (
+    "Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, bool transposed, "
+    "int[] output_padding, int groups, bool[] output_mask"
 )
 
+# Two torch operators ORT's ATen executor calls by name. The forward is aten::convolution itself plus `output_mask`
+# (which of input, weight and bias need a gradient; set per node after the export, `set_gradient_masks`), so that
+# the gradient node, which receives the forward node's inputs, computes only those: ORT leaves a gradient nobody
+# needs unconnected and refuses an operator that returns it anyway.
+_LIBRARY = torch.library.Library("ortflow", "DEF")
+_LIBRARY.define(f"convolution({_ARGS}) -> Tensor")
+_LIBRARY.define(f"convolution_backward(Tensor grad_output, {_ARGS}) -> (Tensor, Tensor, Tensor)")
 
-@torch.library.custom_op(BACKWARD, mutates_args=(), schema=SCHEMA)
-def convolution_backward(
-    grad_output: torch.Tensor,
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    transposed: bool,
-    output_padding: list[int],
-    groups: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of aten::convolution for its input, weight and bias (an empty tensor without bias): what the
-    ATen gradient node runs. Takes the forward's own arguments, so the bias size comes from the weight's shape."""
+
+def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, output_mask):
+    return torch.ops.aten.convolution(
+        input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+    )
+
+
+def _convolution_backward(
+    grad_output, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, output_mask
+):
+    """aten::convolution_backward for the gradients `output_mask` asks for; None (an undefined tensor, which ORT's
+    ATen kernel leaves unset) for the others. The bias size comes from the weight's shape."""
+    mask = [bool(output_mask[0]), bool(output_mask[1]), bool(output_mask[2]) and bias is not None]
     channels = weight.size(1) * groups if transposed else weight.size(0)
     grads = torch.ops.aten.convolution_backward(
         grad_output.contiguous(),
@@ -64,19 +67,22 @@ def convolution_backward(
         transposed,
         output_padding,
         groups,
-        [True, True, bias is not None],
+        mask,
     )
-    grad_bias = grads[2] if bias is not None else weight.new_empty(0)
-    return grads[0], grads[1], grad_bias
+    return tuple(grad if wanted else None for grad, wanted in zip(grads, mask, strict=True))
+
+
+_LIBRARY.impl("convolution", _convolution, "CPU")
+_LIBRARY.impl("convolution_backward", _convolution_backward, "CPU")
 
 
 def gradient() -> list[tuple]:
     """ORT's gradient definition for the forward ATen node (see onnxruntime's _custom_gradient_registry.py): one ATen
-    node, inputs GO(0) and the forward node's nine inputs, outputs the gradients of input, weight and bias."""
+    node, inputs GO(0) and the forward node's ten inputs, outputs the gradients of input, weight and bias."""
     return [
         (
             ("ATen", "org.pytorch.aten"),
-            ["GO(0)", *(f"I({i})" for i in range(9))],
+            ["GO(0)", *(f"I({i})" for i in range(10))],
             ["GI(0)", "GI(1)", "GI(2)"],
             {"operator": {"value": BACKWARD, "dtype": "string"}},
         )
@@ -91,10 +97,34 @@ def register_gradient() -> None:
 
 def count(model: onnx.ModelProto) -> int:
     """How many convolutions of an exported graph are ATen nodes."""
-    return sum(
-        node.op_type == "ATen" and any(a.name == "operator" and a.s == OPERATOR.encode() for a in node.attribute)
-        for node in model.graph.node
-    )
+    return sum(_is(node, OPERATOR) for node in model.graph.node)
+
+
+def _is(node: onnx.NodeProto, operator: str) -> bool:
+    return node.op_type == "ATen" and any(a.name == "operator" and a.s == operator.encode() for a in node.attribute)
+
+
+def set_gradient_masks(model: onnx.ModelProto, trainable: set[str]) -> None:
+    """Give every ATen convolution of an exported graph the output mask of its gradient: whether its input, weight
+    and bias depend on a trainable parameter (`trainable`: their graph names). An image fed to the first
+    convolution, or a frozen layer's weight, gets no gradient."""
+    graph = model.graph
+    reached = set(trainable)
+    for node in graph.node:  # nodes are in execution order
+        if any(name in reached for name in node.input):
+            reached.update(name for name in node.output if name)
+    kept = []
+    for node in graph.node:
+        if _is(node, OPERATOR):
+            mask = [node.input[i] in reached for i in range(3)]
+            name = f"{node.name or node.output[0]}/output_mask"
+            kept.append(
+                onnx.helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(mask)))
+            )
+            node.input[9] = name
+        kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
 
 
 def type_gradient_outputs(model: onnx.ModelProto) -> int:
@@ -106,7 +136,7 @@ def type_gradient_outputs(model: onnx.ModelProto) -> int:
     typed |= {i.name: i.data_type for i in graph.initializer}
     declared = 0
     for node in graph.node:
-        if node.op_type != "ATen" or not any(a.name == "operator" and a.s == BACKWARD.encode() for a in node.attribute):
+        if not _is(node, BACKWARD):
             continue
         elem = typed.get(node.input[0]) or onnx.TensorProto.FLOAT
         for name in node.output:
@@ -123,7 +153,7 @@ def _ints(g: Any, values: list[int]) -> Any:
 
 
 def emit(g: Any, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups) -> Any:
-    """One ATen node running aten::convolution (its output typed as the traced convolution's)."""
+    """One ATen node running ortflow::convolution (its output typed as the traced convolution's)."""
     output = g.op(
         "org.pytorch.aten::ATen",
         input,
@@ -135,6 +165,7 @@ def emit(g: Any, input, weight, bias, stride, padding, dilation, transposed, out
         g.op("Constant", value_t=torch.tensor(bool(transposed))),
         _ints(g, output_padding),
         g.op("Constant", value_t=torch.tensor(groups, dtype=torch.int64)),
+        g.op("Constant", value_t=torch.tensor([True, True, True])),  # set_gradient_masks narrows it
         operator_s=OPERATOR,
         overload_name_s="",
     )

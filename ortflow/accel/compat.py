@@ -265,6 +265,11 @@ def patch_ortmodule() -> None:
         rewrites = scope.settings.rewrites if scope else Rewrites()
         fixes, masks = prepare_training_graph(exported_model, rewrites)
         assert not masks, "ORTModule cannot feed dropout masks"  # Rewrites.dropout_masks is artifacts-only
+        if convolutions := aten_conv.count(exported_model):
+            module = kwargs["flattened_module"]
+            trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+            aten_conv.set_gradient_masks(exported_model, trainable)
+            fixes["convolutions_run_by_torch"] = convolutions
         if scope is not None:
             scope.fixes.update(fixes)
         return exported_model, output_schema

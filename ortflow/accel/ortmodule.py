@@ -67,6 +67,10 @@ class Settings:
     # x * mask, the masks extra inputs of the module ORTModule runs, drawn each step by a fast generator seeded from
     # torch's per-step seed: ORT's CPU Dropout is slow.
     rewrite_dropout: bool = True
+    # Convolutions run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_conv.py), not ORT's own CPU
+    # Conv/ConvGrad. Transposed convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-
+    # waiting is then off whatever allow_spinning says: spinning ORT threads would compete with torch's.
+    aten_conv: bool = False
 
     def rewrites(self) -> Rewrites:
         return Rewrites(gathers=self.rewrite_gathers, relu=self.rewrite_relu)
@@ -123,7 +127,12 @@ class ORTModuleEngine:
     def __init__(self, ctx: EngineContext, settings: Settings) -> None:
         ensure_built()
         self.fallback = settings.fallback
-        self.session = compat.SessionSettings(settings.intra_op_threads, settings.allow_spinning, settings.rewrites())
+        self.session = compat.SessionSettings(
+            settings.intra_op_threads,
+            settings.allow_spinning and not settings.aten_conv,
+            settings.rewrites(),
+            aten_conv=settings.aten_conv,
+        )
         self.runs = compat.OrtRunCounter()  # this engine's own ORT runs: the proof that ORT executed
         self.graph_fixes: dict[str, int] = {}  # ortflow's fixes applied to the exported graphs
         with compat.ortmodule_construction(fallback_allowed=settings.fallback == Fallback.warn, opset=settings.opset):
