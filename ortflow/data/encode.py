@@ -1,9 +1,9 @@
 """Turning documents into token ids, in chunks a process pool can share out.
 
 A chunk is a list of segments `(UTF-8 bytes, whether a document separator comes before them)`, about `size` bytes
-in all; long documents are cut after a newline (preferably one followed by a non-space, so that runs of
-whitespace stay whole), else before a space, else at a UTF-8 character boundary. Each chunk encodes on its own, so chunks can go to
-worker processes and come back in order; where the corpus is cut into train and val is a chunk boundary.
+in all; long documents are cut after a newline (preferably one followed by a non-space, so that runs of whitespace
+stay whole), else before a space, else at a UTF-8 character boundary. Each chunk encodes on its own, so chunks can
+go to worker processes and come back in order; where the corpus is cut into train and val is a chunk boundary.
 
 This module imports neither torch nor the rest of ortflow's data code: spawned workers start in a second.
 """

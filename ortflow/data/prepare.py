@@ -294,6 +294,7 @@ def build_tokenizer(
 def _manifest(
     settings: PrepareSettings,
     src: sources.Sources,
+    files: list[dict],
     tokenizer: Tokenizer,
     made: dict,
     encoded: Encoded,
@@ -321,7 +322,7 @@ def _manifest(
             "root": str(src.root) if src.root else None,
             "text_field": settings.text_field if src.has_records or src.kind == "hf_dataset" else None,
             "dataset_split": src.dataset_split,
-            "files": src.content_identity(),
+            "files": files,
         },
         "tokenizer": recorded,
         "dtype": dtype.name,
@@ -442,8 +443,9 @@ def _prepare_into(
         progress.close()
     if tokenizer.json is not None:
         _write_text(work / TOKENIZER_FILE, tokenizer.json)
+    files = src.content_identity()  # a full read of every source file: timed with the rest
     manifest = _manifest(
-        settings, src, tokenizer, made, encoded, split, dtype, time.monotonic() - started, num_proc, key
+        settings, src, files, tokenizer, made, encoded, split, dtype, time.monotonic() - started, num_proc, key
     )
     _write_text(work / MANIFEST, json.dumps(manifest, indent=2))  # last: a folder with a manifest is complete
     return manifest
@@ -494,7 +496,8 @@ def prepare_in_memory(settings: PrepareSettings) -> TokenStore:
     split = split_point(encoded, settings.val_fraction, settings.source)
     tokens = np.concatenate(parts)
     cut = sum(encoded.chunk_tokens[:split])
-    manifest = _manifest(settings, src, tokenizer, {}, encoded, split, dtype, time.monotonic() - started, 1, None)
+    seconds = time.monotonic() - started
+    manifest = _manifest(settings, src, src.content_identity(), tokenizer, {}, encoded, split, dtype, seconds, 1, None)
     train = TokenArray(cut, dtype.name, array=tokens[:cut])
     val = TokenArray(len(tokens) - cut, dtype.name, array=tokens[cut:])
     return TokenStore(manifest, train, val, tokenizer)
