@@ -11,17 +11,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import ortflow
 from ortflow.data import Data
 from ortflow.data.short_batches import FullBatches
-from ortflow.errors import DataError, ModelError, OrtflowError
+from ortflow.errors import DataError, ModelError
 from ortflow.model.contract import check_model
 from ortflow.model.resnet import build_resnet
 from ortflow.step.loss import CrossEntropy
-
-# Until the ORT engines train BatchNorm as torch does, they stop such a model with an OrtflowError: ORTModule refuses
-# layers that keep running statistics and fails to export those that keep none ("batch_size and channel_size must be
-# non-None"), artifacts refuses every BatchNormalization node. These tests pass once the engines train them.
-NEEDS_ORT_BATCHNORM = pytest.mark.xfail(
-    raises=OrtflowError, strict=False, reason="the ORT engines do not train BatchNorm yet (an OrtflowError)"
-)
 
 
 def _check(model: nn.Module, x: torch.Tensor, classes: int = 10):
@@ -232,16 +225,14 @@ def _ort_matches_eager(tmp_path, accel: str, *model: str) -> None:
 
 
 @pytest.mark.slow
-@NEEDS_ORT_BATCHNORM
 @pytest.mark.parametrize("accel", ["ortmodule", "artifacts"])
 def test_ort_engines_never_get_a_padded_batch_for_batchnorm_without_running_stats(tmp_path, accel):
-    """A padded eval batch would mix zeros into the batch statistics and move eval/loss away from eager's; the ORT
-    counters show the short eval batches never reached ORT."""
+    """A padded eval batch would mix zeros into the batch statistics (the engines refuse to pad one); the ORT
+    counters show the short eval batches never reached ORT, and the results are eager's."""
     _ort_matches_eager(tmp_path, accel, "+model.track_running_stats=false")
 
 
 @pytest.mark.slow
-@NEEDS_ORT_BATCHNORM
 @pytest.mark.parametrize("accel", ["ortmodule", "artifacts"])
 def test_ort_engines_skip_short_training_batches_for_batchnorm_with_running_stats(tmp_path, accel):
     _ort_matches_eager(tmp_path, accel)
