@@ -1,5 +1,6 @@
 """Training batches as random blocks of a token file, with a position a checkpoint saves; validation as a fixed
-set of windows.
+set of windows. Blocks are read from the file row by row (ortflow/data/store.py: TokenArray.rows), so memory does
+not depend on the corpus' size.
 
 Batch n of a run is a pure function of (seed, n): its generator is seeded from both, so the position is a single
 counter, a resumed run draws exactly the batches an uninterrupted one would, and nothing depends on how many
@@ -40,8 +41,7 @@ class Windows(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        start = i * self.block_size
-        return _pair(np.array(self.tokens.open()[start : start + self.block_size + 1]))
+        return _pair(self.tokens.rows(np.array([i * self.block_size]), self.block_size + 1)[0])
 
 
 class RandomBlocks:
@@ -92,10 +92,7 @@ class RandomBlocks:
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's batch `index`: (inputs, targets), int64, (batch_size, block_size)."""
         mine = self.offsets(index)[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        tokens = self.tokens.open()  # a fresh map each batch (nanoGPT's fix for memmap's growing memory)
-        window = tokens[mine[:, None] + np.arange(self.block_size + 1)]  # (B, block_size + 1), a copy
-        del tokens
-        return _pair(window)
+        return _pair(self.tokens.rows(mine, self.block_size + 1))  # (B, block_size + 1) read from the file
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
