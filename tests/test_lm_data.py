@@ -473,3 +473,20 @@ def test_bits_per_byte_is_the_loss_in_nats_per_token_times_tokens_per_byte_over_
     assert data.info["vocab_size"] == data.tokenizer_object.vocab_size == manifest["tokenizer"]["vocab_size"]
     assert data.tokenizer == HFTokenizer.from_str(data.run_files["tokenizer.json"].decode(), "x").identity
     assert data.fingerprint == manifest["fingerprint"]
+
+
+# ------------------------------------------------------------------------------------------- ortflow-prepare
+def test_ortflow_prepare_prints_the_folder_a_run_then_finds(folder, tmp_path, capfd):
+    from ortflow.cli import prepare as cli
+
+    args = [f"data.source={folder}", "data.tokenizer=bpe", "data.bpe_vocab_size=400", f"data.cache_dir={tmp_path}/c"]
+    cli.main(args)
+    printed = Path(capfd.readouterr().out.splitlines()[-2])
+    assert (printed / MANIFEST).is_file()
+    data = build_text_data(str(folder), 16, 2, 0.1, 0, tokenizer="bpe", bpe_vocab_size=400, cache_dir=f"{tmp_path}/c")
+    assert data.info["prepared"] == str(printed)  # the run's settings find what ortflow-prepare made
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([f"data.source={tmp_path / 'missing.txt'}"])
+    assert exit_.value.code == 2
+    err = capfd.readouterr().err
+    assert "missing.txt' does not exist" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
