@@ -110,14 +110,24 @@ def choose_steps(
 
 
 def model_flops(model: torch.nn.Module, data: Data, objective: Loss) -> int:
-    """FLOPs of one training step (forward + backward), counted by torch on a copy of the model."""
+    """FLOPs of one training step (forward + backward), counted by torch on a copy of the model: on the meta
+    device (shapes only, no arithmetic: free at any size), or on the CPU for a model that cannot run there."""
     from torch.utils.flop_counter import FlopCounterMode
 
     inputs, targets = example_batch(data.train)
-    clone = copy.deepcopy(model).train()
-    with FlopCounterMode(display=False) as counter:
-        objective(layout_of(inputs).call(clone, layout_of(inputs).flatten(inputs)), targets).backward()
-    return counter.get_total_flops()
+    tensors = layout_of(inputs).flatten(inputs)
+    for device in ("meta", "cpu"):
+        try:
+            clone = copy.deepcopy(model).to(device).train()
+            with FlopCounterMode(display=False) as counter:
+                args = tuple(t.to(device) for t in tensors)
+                objective(layout_of(inputs).call(clone, args), targets.to(device)).backward()
+            return counter.get_total_flops()
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
+            logging.getLogger(__name__).info("FLOPs not countable on %s (%s)", device, err)
+            if device == "cpu":
+                raise
+    raise AssertionError("unreachable")
 
 
 def _start(args: argparse.Namespace, passes: int, scratch: Path, max_steps: int | None = None) -> dict[str, Any]:
@@ -262,7 +272,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ortflow.cli.bench_worker")
     p.add_argument("--result", type=Path, required=True, help="where the result (or the error) is written, as JSON")
     p.add_argument("--budget", type=float, default=10.0, help="seconds of timed steps")
-    p.add_argument("--min-steps", type=int, default=5, help="timed steps per pass at least")
+    p.add_argument("--min-steps", type=int, default=2, help="timed steps per pass at least")
     p.add_argument("--steps", type=int, default=None, help="timed steps per pass (instead of the budget)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first one")
     p.add_argument("--profile", action="store_true", help="operators per step instead of timing")
@@ -291,7 +301,9 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
             result = {"mode": args.mode, "error": f"{type(err).__name__}: {err}".strip()[:2000]}
         gc.collect()  # engines (and their ORT sessions) end before their files go
-    args.result.write_text(json.dumps(result))
+    partial = args.result.with_name(args.result.name + ".partial")
+    partial.write_text(json.dumps(result))
+    partial.replace(args.result)  # whole or absent, whenever this process is killed
     if "error" in result:
         raise SystemExit(1)
 
