@@ -490,3 +490,20 @@ def test_ortflow_prepare_prints_the_folder_a_run_then_finds(folder, tmp_path, ca
     assert exit_.value.code == 2
     err = capfd.readouterr().err
     assert "missing.txt' does not exist" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_tokenizer_named_by_its_model_is_found_in_the_local_hugging_face_cache(
+    folder, tmp_path, gpt2_style, monkeypatch
+):
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "hub" / "models--someone--tiny-lm" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").write_bytes(gpt2_style.read_bytes())
+    (tmp_path / "hub" / "models--someone--tiny-lm" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--tiny-lm" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    store = prepare(settings(folder, tmp_path, tokenizer="someone/tiny-lm"))
+    assert store.tokenizer.kind == "pretrained" and decoded(store) == DOCS
+    with pytest.raises(DataError, match=r"'someone/absent' is not bytes, bpe, a tokenizer.json file, or a model"):
+        prepare(settings(folder, tmp_path, tokenizer="someone/absent"))
