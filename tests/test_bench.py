@@ -135,9 +135,9 @@ def test_progress_is_plain_lines_off_a_terminal_and_a_bar_on_one(tmp_path):
     plain = io.StringIO()
     reporter = Reporter(Console(file=plain, width=200), plan_, [], tmp_path / "b.log")
     reporter.start(plan_[0])
-    reporter.end(plan_[0], {**run, "mode": "none", "wall_s": 30.0})
+    reporter.end(plan_[0], {**run, "setting": "-", "mode": "none", "wall_s": 30.0})
     reporter.start(plan_[1])
-    reporter.end(plan_[1], {"mode": "artifacts", "error": "ValueError: no\ndetails", "wall_s": 10.0})
+    reporter.end(plan_[1], {"setting": "-", "mode": "artifacts", "error": "ValueError: no\ndetails", "wall_s": 10.0})
     reporter.close()
     lines = plain.getvalue().splitlines()
     assert "\x1b" not in plain.getvalue()
@@ -152,6 +152,22 @@ def test_progress_is_plain_lines_off_a_terminal_and_a_bar_on_one(tmp_path):
     reporter.start(plan_[0])
     reporter.close()
     assert "\x1b[" in tty.getvalue() and "[1/3] none, repeat 1/1 ..." in tty.getvalue()
+
+
+def test_eta_takes_each_measurement_left_as_long_as_its_setting_and_mode_took(tmp_path):
+    done = [
+        {"setting": "d=64", "mode": "none", "wall_s": 10.0},
+        {"setting": "d=64", "mode": "artifacts", "wall_s": 20.0},
+        {"setting": "d=512", "mode": "none", "wall_s": 100.0},
+    ]
+    todo = [
+        Measurement(4, "d=512", "none", 2, 2),  # as d=512's none: 100
+        Measurement(5, "d=512", "artifacts", 1, 2),  # no d=512 artifacts yet: artifacts anywhere, 20
+        Measurement(6, "d=512", "compile", 1, 2),  # a mode not measured yet: the mean of all, 130 / 3
+    ]
+    reporter = Reporter(Console(file=io.StringIO()), todo, done, tmp_path / "b.log")
+    assert reporter.eta() == pytest.approx(100 + 20 + 130 / 3)
+    assert reporter.elapsed() >= 130  # the earlier sessions' measurements count in the bench's elapsed time
 
 
 def test_a_failed_mode_is_reported_not_hidden():

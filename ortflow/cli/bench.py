@@ -172,7 +172,9 @@ def run_worker(args: argparse.Namespace, m: Measurement, log: Path) -> dict[str,
                 raise
         with contextlib.suppress(OSError, ValueError):  # none, or cut short: the process was killed
             return json.loads(result_file.read_text())
-    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    how = f"exit code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
+    if code == -signal.SIGKILL:
+        how += ": out of memory?"
     return {"mode": m.mode, "error": f"the measurement's process ended without a result ({how})"}
 
 
@@ -347,14 +349,18 @@ def _stop_on_signals() -> Iterator[None]:
     """SIGTERM and SIGINT raise Stopped, so that the running measurement's process is ended with the bench."""
 
     def stop(signum: int, frame: Any) -> None:
+        restore()  # a second signal is not caught: the bench ends at once (its measurement with it, on Linux)
         raise Stopped(signum)
+
+    def restore() -> None:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        restore()
 
 
 @contextlib.contextmanager

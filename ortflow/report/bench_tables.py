@@ -18,6 +18,7 @@ class Planned(Protocol):
     """A measurement of the plan, as the progress lines need it."""
 
     index: int
+    setting: str
     mode: str
 
     def label(self) -> str: ...
@@ -108,8 +109,8 @@ def _clock(seconds: float) -> str:
 class Reporter:
     """What a person watches: a line as each measurement starts and ends (setting, mode, repeat, samples/s, the
     bench's elapsed time and ETA); on a terminal also a bar for the whole bench. The ETA adds, for each measurement
-    left, the mean duration of the finished ones of its mode (of all, for a mode not yet measured); `done` are the
-    measurements of earlier sessions of a resumed bench, whose durations count too."""
+    left, the mean duration of the finished ones of its mode in its setting (else of its mode, else of all); `done`
+    are the measurements of earlier sessions of a resumed bench, whose durations count too."""
 
     def __init__(self, console: Console, todo: list[Planned], done: list[dict[str, Any]], log: Path) -> None:
         self.console, self.todo, self.done, self.log = console, list(todo), list(done), log
@@ -136,14 +137,16 @@ class Reporter:
 
     def eta(self) -> float | None:
         """Seconds the measurements left should take, from the finished ones' durations (None before any)."""
-        by_mode: dict[str, list[float]] = {}
-        for r in self.done:
-            if "wall_s" in r:
-                by_mode.setdefault(r["mode"], []).append(r["wall_s"])
-        if not by_mode:
+        finished = [r for r in self.done if "wall_s" in r]
+        if not finished:
             return None
-        overall = statistics.mean(t for times in by_mode.values() for t in times)
-        return sum(statistics.mean(by_mode.get(m.mode, [overall])) for m in self.todo)
+
+        def estimate(m: Planned) -> float:
+            alike = [r["wall_s"] for r in finished if (r["setting"], r["mode"]) == (m.setting, m.mode)]
+            alike = alike or [r["wall_s"] for r in finished if r["mode"] == m.mode]
+            return statistics.mean(alike or [r["wall_s"] for r in finished])
+
+        return sum(estimate(m) for m in self.todo)
 
     def start(self, m: Planned) -> None:
         self._line(f"[{m.index}/{self.total}] {m.label()} ...")
