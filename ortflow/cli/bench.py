@@ -210,24 +210,33 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
     arg(
         "--budget",
         type=float,
+        metavar="SECONDS",
         default=10.0,
         help="seconds of timed steps per measurement (default 10); the first step, warm-up and start-up come on top",
     )
     arg(
         "--min-steps",
         type=int,
+        metavar="N",
         default=2,
         help="timed steps per pass at least, however slow a step (default 2; a measurement times 4 passes: a bare "
         "loop and ortflow's loop, twice)",
     )
-    arg("--steps", type=int, default=None, help="timed steps per pass, instead of choosing them from --budget")
-    arg("--warmup", type=int, default=2, help="untimed steps after the first one (default 2)")
-    arg("--repeats", type=int, default=2, help="measurements per mode, modes alternating (default 2)")
+    arg(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="timed steps per pass, instead of choosing them from --budget",
+    )
+    arg("--warmup", type=int, default=2, metavar="N", help="untimed steps after the first one (default 2)")
+    arg("--repeats", type=int, default=2, metavar="N", help="measurements per mode, modes alternating (default 2)")
     arg(
         "--sweep",
         action="append",
+        metavar="KEY=V1,V2",
         default=[],
-        help="KEY=V1,V2,...: repeat everything for each value (scaling); may be given more than once; writes a PNG",
+        help="repeat everything for each value (scaling); may be given more than once; writes a PNG",
     )
     arg(
         "--profile",
@@ -235,9 +244,21 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
         default=False,
         help="instead of timing: each mode's top operators per step, ORT's profiler beside torch.profiler",
     )
-    arg("--top", type=int, default=10, help="operators shown per mode with --profile (JSON keeps all)")
-    arg("--out", type=Path, default=None, help="JSON file (default: outputs/bench/<time>.json; its log beside it)")
-    arg("--resume", type=Path, default=None, help="continue the bench in this JSON file, with its arguments")
+    arg("--top", type=int, default=10, metavar="N", help="operators shown per mode with --profile (JSON keeps all)")
+    arg(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="JSON file (default: outputs/bench/<time>.json; its log beside it)",
+    )
+    arg(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="continue the bench in this JSON file, with its arguments",
+    )
     arg("overrides", nargs="*", default=[], help="Hydra overrides applied to every run, e.g. model.num_layers=4")
     return p
 
