@@ -258,12 +258,12 @@ def profile(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
 
 def _end_with_parent() -> None:
     """Linux: have the kernel send SIGTERM when the bench that started this process dies (even by SIGKILL), so no
-    measurement runs on orphaned; if it is gone already, end now."""
+    measurement runs on orphaned; if it is gone already, end now (a bench killed while this process imported)."""
     parent = os.environ.get(PARENT_ENV)
     if parent is None or not sys.platform.startswith("linux"):
         return
-    with_errno = ctypes.CDLL(None, use_errno=True)
-    with_errno.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    libc = ctypes.CDLL(None)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != int(parent):
         sys.exit(1)
 
