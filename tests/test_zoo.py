@@ -16,7 +16,10 @@ RTOL = {"ortmodule": 1e-5, "artifacts": 1e-4}
 # family -> (data overrides, {mode: text of its refusal} for the modes that refuse it)
 ZOO = {
     "mlp": (DIGITS, {}),
-    "cnn_batchnorm": (DIGITS, {"ortmodule": "BatchNorm layers", "artifacts": "BatchNormalization"}),
+    "cnn_batchnorm": (DIGITS, {}),
+    "cnn_norms": (DIGITS, {}),
+    "up_down": (DIGITS, {}),
+    "patch_classifier": (DIGITS, {}),
     "gru_lm": (TEXT, {}),
     "gpt_block": (TEXT, {}),
     "tied_embeddings": (TEXT, {}),

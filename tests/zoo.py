@@ -28,6 +28,60 @@ def cnn_batchnorm(num_classes: int = 10) -> nn.Module:
     )
 
 
+def cnn_norms(num_classes: int = 10) -> nn.Module:
+    """A CNN with GroupNorm and InstanceNorm on the digits as 8x8 images."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.GroupNorm(2, 8),
+        nn.ReLU(),
+        nn.Conv2d(8, 4, 3, padding=1),
+        nn.InstanceNorm2d(4, affine=True),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 64, num_classes),
+    )
+
+
+class UpDown(nn.Module):
+    """A depthwise convolution, a transposed convolution back up and a Conv1d over the rows, on 8x8 digits."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(1, 4, 2, stride=2)  # (B, 4, 4, 4)
+        self.depthwise = nn.Conv2d(4, 4, 3, padding=1, groups=4)
+        self.up = nn.ConvTranspose2d(4, 2, 2, stride=2)  # (B, 2, 8, 8)
+        self.rows = nn.Conv1d(16, 8, 3, padding=1)  # the 2x8 rows as 16 channels along the columns
+        self.head = nn.Linear(8 * 8, num_classes)
+
+    def forward(self, x):
+        x = self.up(torch.relu(self.depthwise(torch.relu(self.down(x.view(-1, 1, 8, 8))))))
+        return self.head(torch.relu(self.rows(x.reshape(-1, 16, 8))).flatten(1))
+
+
+def up_down(num_classes: int = 10) -> nn.Module:
+    return UpDown(num_classes)
+
+
+class PatchClassifier(nn.Module):
+    """ViT-style: 2x2 patches of the 8x8 digits cut by a strided Conv2d, one transformer layer, mean pooling."""
+
+    def __init__(self, num_classes: int = 10, width: int = 16) -> None:
+        super().__init__()
+        self.patches = nn.Conv2d(1, width, 2, stride=2)
+        self.position = nn.Parameter(torch.zeros(16, width))
+        self.encoder = nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x):
+        tokens = self.patches(x.view(-1, 1, 8, 8)).flatten(2).transpose(1, 2) + self.position
+        return self.head(self.encoder(tokens).mean(1))
+
+
+def patch_classifier(num_classes: int = 10) -> nn.Module:
+    return PatchClassifier(num_classes)
+
+
 class GRULanguageModel(nn.Module):
     def __init__(self, vocab_size: int = 256, width: int = 16) -> None:
         super().__init__()

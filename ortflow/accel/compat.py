@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -281,7 +282,8 @@ def patch_ortmodule() -> None:
             return SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
         except AssertionError:
             log.info("ORT symbolic shape inference failed on this graph; using ONNX shape inference instead")
-            return onnx.shape_inference.infer_shapes(model)
+            inferred = onnx.shape_inference.infer_shapes(model)
+            return _plain_dim_names(_type_group_norm_statistics(inferred))
 
     session_config = GraphExecutionManager._get_session_config
 
@@ -320,6 +322,38 @@ def _capture_only_real_streams() -> None:
             yield
 
     _logger._suppress_os_stream_output = capture_if_possible
+
+
+def _type_group_norm_statistics(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Type the mean and rstd outputs of the ATen native_group_norm nodes ORTModule exports nn.GroupNorm with (as
+    its input), which only ORT's symbolic shape inference types: without a type ORT refuses the graph ("type
+    inference failed"). For graphs where that inference failed (a Reshape of a dynamic shape, e.g. nn.Unflatten)."""
+    graph = model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    typed = {v.name: v for v in graph.value_info}
+    for node in graph.node:
+        operators = [a.s for a in node.attribute if a.name == "operator"]
+        if node.op_type != "ATen" or operators != [b"native_group_norm"]:
+            continue
+        for name in node.output[1:]:
+            if name and not types.get(name):
+                info = typed.get(name) or graph.value_info.add()
+                info.name = name
+                info.type.tensor_type.elem_type = types.get(node.input[0]) or onnx.TensorProto.FLOAT
+    return model
+
+
+def _plain_dim_names(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Symbolic dimension names as sympy reads them: the exporter names the dimensions of an ATen node's outputs
+    after the node ("ATen/_original_module/model/model.2/ATen_output_0_dim_0"), which ORT's own symbolic shape
+    inference replaces but ONNX's keeps, and ORTModule's memory report then fails to parse them (sympy's parse_expr)
+    on the first step."""
+    graph = model.graph
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param"):
+                dim.dim_param = re.sub(r"\W", "_", dim.dim_param)
+    return model
 
 
 @contextlib.contextmanager

@@ -131,8 +131,9 @@ def ensure_built() -> bool:
         if returncode != 0 or not is_built(directory):
             raise OrtflowError(
                 f"Building ORTModule's C++ extensions failed (exit code {returncode}); the compiler output "
-                "is above. They need a C++ compiler (g++) and the Python headers. accel=none and "
-                "accel=artifacts do not need them."
+                "is above. They need a C++ compiler (g++) and the Python headers. accel=none does not need them, "
+                "nor does accel=artifacts unless the model has convolutions run by torch's kernels (accel.aten_conv, "
+                "and transposed convolutions always)."
             )
         print(f"ortflow: extensions built in {time.monotonic() - start:.0f} s.", file=sys.stderr, flush=True)
         return True
