@@ -82,6 +82,7 @@ def buffers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def train_both(kind: str, build, batches, tmp: Path, accumulate: int = 1, **settings):
     """The same model trained by eager PyTorch and by `kind` on the same batches: (eager, engine, eager losses,
     engine losses)."""
+    torch.manual_seed(0)
     model = build()
     eager = make_engine("none", copy.deepcopy(model), batches[0], tmp, accumulate)
     engine = make_engine(kind, model, batches[0], tmp, accumulate, **settings)
@@ -392,3 +393,76 @@ def test_aten_convolutions_train_in_ortmodule_with_parity(build, tmp_path):
     _, native, _, native_losses = train_both("ortmodule", build, batches, tmp_path / "native", aten_conv=False)
     assert "convolutions_run_by_torch" not in native.describe()["graph_fixes"]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(native_losses), rtol=RTOL["ortmodule"], atol=0)
+
+
+class ConvBnDropout(nn.Module):
+    """BatchNorm after a dropout: the statistics are those of the dropped activations, so the engine's masks must be
+    the ones its statistics saw. padding="same" convolutions (aten::_convolution_mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding="same", bias=False)
+        self.drop = nn.Dropout(0.25)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Sequential(nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, CLASSES))
+
+    def forward(self, x):
+        return self.head(self.bn(self.drop(self.conv(x))))
+
+
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+def test_batchnorm_statistics_see_the_fed_dropout_masks(kind, tmp_path):
+    """With rewrite_dropout the engine draws the masks (seeded from torch's RNG); eager PyTorch fed the same masks
+    gives the engine's loss and running statistics."""
+    from ortflow.accel import fed_dropout
+    from ortflow.accel.engine import WithLoss
+    from ortflow.accel.rewrites import draw_masks
+    from ortflow.step.batch import Layout
+    from ortflow.step.loss import CrossEntropy
+
+    torch.manual_seed(0)
+    model = ConvBnDropout()
+    reference = WithLoss(copy.deepcopy(model), CrossEntropy(), Layout(1, single=True))
+    batches = images(2)
+    engine = make_engine(kind, model, batches[0], tmp_path)
+    assert engine.describe()["graph_fixes"]["dropout_to_mask_inputs"] == 1
+    fed = fed_dropout.WithLossAndMasks(reference, fed_dropout.find_masks(reference, batches[0])).train()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+    for seed, (x, y) in enumerate(batches):
+        torch.manual_seed(seed)
+        masks = [torch.from_numpy(m) for m in draw_masks(engine.masks)]
+        torch.manual_seed(seed)  # the engine draws the same masks from the same seed
+        loss = engine.train_step(x, y)
+        expected = fed(x, *masks, y)
+        expected.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert loss == pytest.approx(float(expected), rel=RTOL[kind])
+    state = engine.model_state_dict()
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(state[f"bn.{name}"], getattr(reference.model.bn, name), rtol=0, atol=STATS_ATOL)
+    assert int(state["bn.num_batches_tracked"]) == 2
+    assert engine.describe()["graph_fixes"]["convolutions_run_by_torch"] == 1  # padding="same", as an ATen node
+
+
+class ExportsNothing(nn.Module):
+    """Runs in PyTorch but cannot be exported (after its BatchNorm has run): ORTModule falls back to PyTorch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(4 * 16 * 16, CLASSES))
+
+    def forward(self, x):
+        out = self.head(self.bn(self.conv(x)))
+        if torch.onnx.is_in_onnx_export():
+            raise RuntimeError("this model cannot be exported")
+        return out
+
+
+def test_ortmodules_pytorch_fallback_keeps_eagers_statistics(tmp_path):
+    batches = images(3)
+    eager, engine, expected, got = train_both("ortmodule", ExportsNothing, batches, tmp_path, fallback="warn")
+    assert engine.describe()["executed_by"] == "pytorch"
+    assert got == expected  # PyTorch ran it
+    assert_same_statistics(eager, engine)

@@ -236,40 +236,53 @@ class BatchNorms:
         """After a training forward: torch's update of the kept statistics with each site's batch mean and biased
         variance (default: what ORT left in the torch buffers), into the torch buffers.
 
-        `in_ort=False`: PyTorch ran the forward instead (ORTModule's fallback) and applied its own update, starting
-        from the -1 variances; the variances are corrected to start from the kept ones.
+        `in_ort=False`: PyTorch ran the forward instead (ORTModule's fallback; on its first step once more, to read
+        the outputs' structure), updating the buffers itself each time, from the -1 variances: the batch statistics
+        are recovered from the result (`_recovered`) and torch's single update applied.
 
         Raises:
-            OrtflowError: a running variance still holds the -1 written before the forward (ORT did not write it), or
-                PyTorch ran the forward more than once.
+            OrtflowError: a running variance still holds the -1 written before the forward (ORT did not write it).
         """
         if batch is None:
             batch = [(s.module.running_mean.clone(), s.module.running_var.clone()) for s in self.sites]
-        for site, (mean, var, count), (batch_mean, batch_var) in zip(self.sites, kept, batch, strict=True):
+        for site, (mean, var, count), (now_mean, now_var) in zip(self.sites, kept, batch, strict=True):
             module = site.module
             factor = 1.0 / float(count + 1) if module.momentum is None else float(module.momentum)
-            if not in_ort:
-                if int(module.num_batches_tracked) != int(count) + 1:
+            now_mean, now_var = torch.as_tensor(now_mean).double(), torch.as_tensor(now_var).double()
+            if in_ort:
+                if bool((now_var == UNWRITTEN).any()):
                     raise OrtflowError(
-                        f"PyTorch ran the training forward of BatchNorm '{site.name}' "
-                        f"{int(module.num_batches_tracked) - int(count)} times in one step (ORTModule's fallback), so "
-                        "its running statistics cannot be kept as eager PyTorch keeps them. Use accel=none."
+                        f"ONNX Runtime did not write the batch statistics of BatchNorm '{site.name}' into its running "
+                        "statistics as ortflow expects of onnxruntime-training 1.19 (an in-place write by its "
+                        "BatchNorm kernel), so they cannot be kept as eager PyTorch keeps them. Use accel=none."
                     )
-                module.running_var.add_((var.double() - UNWRITTEN) * (1 - factor))
-                continue
-            batch_mean, batch_var = torch.as_tensor(batch_mean), torch.as_tensor(batch_var)
-            if bool((batch_var == UNWRITTEN).any()):
-                raise OrtflowError(
-                    f"ONNX Runtime did not write the batch statistics of BatchNorm '{site.name}' into its running "
-                    "statistics as ortflow expects of onnxruntime-training 1.19 (an in-place write by its BatchNorm "
-                    "kernel), so they cannot be kept as eager PyTorch keeps them. Use accel=none for this model."
-                )
-            module.num_batches_tracked.copy_(count + 1)
-            # As torch's CPU kernel: in double precision, the variance unbiased by n / (n - 1).
-            unbiased = batch_var.double() * (site.count / max(site.count - 1, 1))
-            module.running_mean.copy_(mean.double() * (1 - factor) + batch_mean.double() * factor)
-            module.running_var.copy_(var.double() * (1 - factor) + unbiased * factor)
+                # As torch's CPU kernel: in double precision, the variance unbiased by n / (n - 1).
+                batch_mean, unbiased = now_mean, now_var * (site.count / max(site.count - 1, 1))
+            else:
+                batch_mean, unbiased = self._recovered(module, mean, count, now_mean, now_var)
+            # Through .data: autograd may hold the buffers for a backward still to come (PyTorch's fallback), and
+            # this write must not bump their version (as torch's own in-kernel update does not).
+            module.num_batches_tracked.data.copy_(count + 1)
+            module.running_mean.data.copy_(mean.double() * (1 - factor) + batch_mean * factor)
+            module.running_var.data.copy_(var.double() * (1 - factor) + unbiased * factor)
         self.updates += 1
+
+    @staticmethod
+    def _recovered(
+        module: _BatchNorm, mean: torch.Tensor, count: torch.Tensor, now_mean: torch.Tensor, now_var: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch mean and unbiased variance behind PyTorch's own updates of its buffers by the same batch, run
+        `runs` times from (kept mean, variance -1): now = a * start + (1 - a) * batch, a the product of the runs'
+        (1 - factor). With momentum 0 nothing moved (and nothing will): the kept values."""
+        runs = int(module.num_batches_tracked) - int(count)
+        keep = 1.0
+        for run in range(1, runs + 1):
+            keep *= 1.0 - (1.0 / float(count + run) if module.momentum is None else float(module.momentum))
+        if runs < 1:
+            raise OrtflowError("neither ONNX Runtime nor PyTorch ran this model's BatchNorm in its training forward.")
+        if keep == 1.0:
+            return mean.double(), torch.zeros_like(now_var)
+        return (now_mean - keep * mean.double()) / (1 - keep), (now_var - keep * UNWRITTEN) / (1 - keep)
 
     def describe(self) -> dict[str, int]:
         return {"batchnorm_layers": len(self.sites), "batchnorm_updates": self.updates}

@@ -143,7 +143,7 @@ class ORTModuleEngine:
             example = (*ctx.layout.flatten(ctx.example[0]), ctx.example[1])
             # BatchNorm running statistics: ORT writes each batch's statistics into the torch buffers, ortflow
             # applies torch's update around every training forward (accel/batchnorm.py).
-            self.norms = batchnorm.BatchNorms.find(with_loss, lambda: with_loss(*example), NAME)
+            self.norms = batchnorm.BatchNorms.find(ctx.model, lambda: with_loss(*example), NAME)
             self.batch_statistics = batchnorm.BatchStatistics.of(ctx.model)
             self.masks: list[DropoutMask] = []
             if settings.rewrite_dropout:
