@@ -82,5 +82,6 @@ def build_images_data(
         "classes": len(shapes.CLASSES),
         "class_names": ", ".join(shapes.CLASSES),
         **transforms.info(),
+        "fingerprint": fingerprint,
     }
     return Data(train, val, info, fingerprint=fingerprint)

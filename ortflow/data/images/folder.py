@@ -215,5 +215,6 @@ def build_image_folder_data(
         "class_names": ", ".join(classes[:20]) + (", ..." if len(classes) > 20 else ""),
         "skipped_files": skipped,
         **transforms.info(),
+        "fingerprint": fingerprint(train_split.stats + val_split.stats),
     }
-    return Data(train, val, info, fingerprint=fingerprint(train_split.stats + val_split.stats))
+    return Data(train, val, info, fingerprint=info["fingerprint"])

@@ -1,9 +1,10 @@
 """The embedded image set: ten classes of drawn shapes, generated from a seed (no download, no files).
 
 Why drawn shapes rather than scikit-learn's digits upscaled: any number of images at any size, with the variation a
-convolutional network must learn to ignore (position, size, rotation, colours, a background gradient, pixel noise),
-while the class lives in the shape alone. A linear model on the pixels cannot read shape through that variation; a
-small ResNet can, in minutes on a CPU. Each shape is a signed distance field in the shape's own coordinates, drawn
+convolutional network must learn to ignore (position, size, a tilt of up to 30 degrees, colours, a background
+gradient, pixel noise), while the class lives in the shape alone. An MLP on the pixels reads little shape through
+that variation (about 46% held-out after 600 steps of 64 images); the vision recipe's small ResNet reaches about 98%
+in the same steps. Each shape is a signed distance field in the shape's own coordinates, drawn
 with one pixel of anti-aliasing, so the images stay well-formed at 16 pixels and at 256.
 """
 
@@ -76,7 +77,7 @@ def generate(count: int, size: int, noise: float, rng: np.random.Generator) -> t
         n = len(index)
         cx, cy = rng.uniform(-0.3, 0.3, (2, n, 1, 1))
         scale = rng.uniform(0.4, 0.7, (n, 1, 1))  # the shape's radius as a share of half the image
-        angle = rng.uniform(0, 2 * np.pi, (n, 1, 1))
+        angle = rng.uniform(-0.5, 0.5, (n, 1, 1))  # upright, give or take 30 degrees
         cos, sin = np.cos(angle), np.sin(angle)
         x = ((u - cx) * cos + (v - cy) * sin) / scale  # (n, size, size), the shape's own coordinates
         y = (-(u - cx) * sin + (v - cy) * cos) / scale
