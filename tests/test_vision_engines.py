@@ -466,3 +466,48 @@ def test_ortmodules_pytorch_fallback_keeps_eagers_statistics(tmp_path):
     assert engine.describe()["executed_by"] == "pytorch"
     assert got == expected  # PyTorch ran it
     assert_same_statistics(eager, engine)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+BN_RUN = [
+    "model=custom",
+    "model._target_=tests.zoo.cnn_batchnorm",
+    "data=digits",
+    "data.batch_size=32",
+    "trainer.max_steps=12",
+    "trainer.eval_every=6",
+    "trainer.checkpoint.every=6",
+    "logger.progress=false",
+    "export.onnx=true",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+def test_a_batchnorm_cnn_resumed_from_a_checkpoint_ends_as_the_uninterrupted_run(
+    kind, tmp_path, ortflow_cli, monkeypatch
+):
+    """Through the command line: the step-6 checkpoint holds the running statistics; a run resumed from it ends with
+    the uninterrupted run's weights and statistics, and both export them into model.onnx."""
+    import json
+
+    from tests.conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO))
+    status, stderr = ortflow_cli(*BN_RUN, f"accel={kind}", "hydra.run.dir=whole", cwd=tmp_path)
+    assert status == 0, stderr[-3000:]
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step-00000006.pt"
+    saved = torch.load(checkpoint, weights_only=True)["model"]
+    assert int(saved["2.num_batches_tracked"]) == 6 and not torch.equal(saved["2.running_var"], torch.ones(4))
+    args = [*BN_RUN, f"accel={kind}", f"trainer.resume={checkpoint}", "hydra.run.dir=resumed"]
+    status, stderr = ortflow_cli(*args, cwd=tmp_path)
+    assert status == 0, stderr[-3000:]
+    whole = torch.load(tmp_path / "whole" / "checkpoints" / "final.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "final.pt", weights_only=True)
+    assert int(whole["2.num_batches_tracked"]) == int(resumed["2.num_batches_tracked"]) == 12
+    for name, value in whole.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    for run in ("whole", "resumed"):
+        record = json.loads((tmp_path / run / "run.json").read_text())
+        assert record["engine"]["executed_by"] == "onnxruntime" and record["engine"]["batchnorm_layers"] == 1
+        assert record["export"]["max_abs_diff"] < 1e-4  # model.onnx, with the running statistics, against torch
