@@ -126,6 +126,13 @@ def test_augmentation_comes_from_the_loader_generator_not_torch_global_rng():
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
+def test_worker_processes_give_the_same_augmented_batches():
+    kwargs = {"crop": "random_resized", "crop_scale": [0.3, 1.0], "train_images": 48}
+    in_process, workers = images(**kwargs), images(**kwargs, num_workers=2)
+    for (xa, ya), (xb, yb) in zip(in_process.train, workers.train, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
 def test_a_resumed_position_gives_the_same_augmented_batches():
     kwargs = {"crop": "random_resized", "crop_scale": [0.3, 1.0], "train_images": 48}
     run = ResumableBatches(images(**kwargs).train)
