@@ -79,10 +79,10 @@ def test_the_seed_document_model_trains_sequence_first_in_every_mode_with_parity
     assert ort.describe()["executed_by"] == "onnxruntime"
 
 
-def test_artifacts_refuses_batchnorm_before_training_naming_the_op(tmp_path, ortflow_cli, monkeypatch):
+def test_artifacts_refuses_syncbatchnorm_before_training_naming_the_layer(tmp_path, ortflow_cli, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
-    args = ["model=custom", "model._target_=tests.user_model.build_batchnorm_mlp", "data=digits", "accel=artifacts"]
+    args = ["model=custom", "model._target_=tests.zoo.sync_batchnorm_mlp", "data=digits", "accel=artifacts"]
     status, stderr = ortflow_cli(*args, "trainer.max_steps=2", "hydra.run.dir=r", cwd=tmp_path)
-    assert status == 2 and "BatchNormalization" in stderr and "Traceback" not in stderr, stderr[-2000:]
+    assert status == 2 and "SyncBatchNorm" in stderr and "Traceback" not in stderr, stderr[-2000:]
     status, stderr = ortflow_cli(*args[:-1], "accel=none", "trainer.max_steps=2", "hydra.run.dir=r", cwd=tmp_path)
     assert status == 0, stderr[-2000:]  # refused before training: the dir takes the corrected command

@@ -82,6 +82,11 @@ def patch_classifier(num_classes: int = 10) -> nn.Module:
     return PatchClassifier(num_classes)
 
 
+def sync_batchnorm_mlp(num_classes: int = 10, width: int = 32) -> nn.Module:
+    """SyncBatchNorm, which the ORT engines refuse (it averages statistics across processes in its forward)."""
+    return nn.Sequential(nn.Linear(64, width), nn.SyncBatchNorm(width), nn.ReLU(), nn.Linear(width, num_classes))
+
+
 class GRULanguageModel(nn.Module):
     def __init__(self, vocab_size: int = 256, width: int = 16) -> None:
         super().__init__()
