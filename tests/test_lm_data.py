@@ -507,3 +507,17 @@ def test_a_tokenizer_named_by_its_model_is_found_in_the_local_hugging_face_cache
     assert store.tokenizer.kind == "pretrained" and decoded(store) == DOCS
     with pytest.raises(DataError, match=r"'someone/absent' is not bytes, bpe, a tokenizer.json file, or a model"):
         prepare(settings(folder, tmp_path, tokenizer="someone/absent"))
+
+
+def test_parquet_and_saved_datasets_without_the_data_extra_name_the_pip_command(tmp_path, monkeypatch):
+    (tmp_path / "c.parquet").write_bytes(b"PAR1 not read")
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "state.json").write_text("{}")
+    (saved / "dataset_info.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if pyarrow were not installed
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DataError, match=r"c\.parquet'\) needs pyarrow: pip install 'ortflow\[data\]'"):
+        prepare(settings(tmp_path / "c.parquet", tmp_path))
+    with pytest.raises(DataError, match=r"saved'\) needs datasets: pip install 'ortflow\[data\]'"):
+        prepare(settings(saved, tmp_path))
