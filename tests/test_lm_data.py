@@ -521,3 +521,12 @@ def test_parquet_and_saved_datasets_without_the_data_extra_name_the_pip_command(
         prepare(settings(tmp_path / "c.parquet", tmp_path))
     with pytest.raises(DataError, match=r"saved'\) needs datasets: pip install 'ortflow\[data\]'"):
         prepare(settings(saved, tmp_path))
+
+
+def test_the_default_embedded_corpus_in_bytes_touches_no_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    data = build_text_data("python_docs", 16, 4, 0.1, 0)
+    assert data.info["prepared"] == "in memory" and not (tmp_path / "xdg").exists()
+    reference = np.frombuffer(embedded_corpus(), np.uint8)
+    tokens = np.concatenate([data.train.tokens.open(), data.val.dataset.tokens.open()])
+    assert np.array_equal(tokens, reference)  # the corpus' bytes, split into train and val
