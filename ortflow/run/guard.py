@@ -42,6 +42,8 @@ OWN_NAMES = (
     "checkpoints",
     "onnx",
     "model.onnx",
+    "tokenizer.json",  # a text run's tokenizer and data manifest (ortflow-predict finds them there)
+    "data_manifest.json",
     "previous-attempt-*",
 )
 

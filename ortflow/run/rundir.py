@@ -26,7 +26,15 @@ log = logging.getLogger(__name__)
 
 STARTING, TRAINING = "starting", "training"  # run.json "stage": before / from the loop's start
 # What a run writes into its dir, besides Hydra's own .hydra/ and log file.
-RUN_OUTPUTS = ("run.json", "metrics.jsonl", "tensorboard", "checkpoints", "onnx")
+RUN_OUTPUTS = (
+    "run.json",
+    "metrics.jsonl",
+    "tensorboard",
+    "checkpoints",
+    "onnx",
+    "tokenizer.json",  # a text run's tokenizer and data manifest
+    "data_manifest.json",
+)
 # Settings that may change between a checkpoint and the run continuing it, without a warning.
 _MAY_CHANGE = ("trainer.resume", "trainer.max_steps", "trainer.checkpoint", "accel", "debug", "logger", "objective")
 
