@@ -7,6 +7,7 @@ loss difference (ORT - eager) at every logged step.
 """
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,8 @@ def plot_scaling(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path
     swept = [r for r in rows if "=" in r["setting"] and "error" not in r]
     keys = list(dict.fromkeys(r["setting"].partition("=")[0] for r in swept))
     modes = list(dict.fromkeys(r["mode"] for r in swept))
-    fig = Figure(figsize=(PANEL_SIZE[0] * max(len(keys), 1), PANEL_SIZE[1] + 0.4), dpi=DPI)
+    width = PANEL_SIZE[0] * max(len(keys), 1)
+    fig = Figure(figsize=(width, PANEL_SIZE[1] + 0.4), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     for i, key in enumerate(keys):
         ax = fig.add_subplot(1, len(keys), i + 1)
@@ -163,8 +165,7 @@ def plot_scaling(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     if title:
-        fig.suptitle(title, fontsize="medium")
-    fig.tight_layout()
+        fig.suptitle(textwrap.fill(title, int(width * 10)), fontsize="medium")  # ~10 characters an inch: all shown
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     return out
