@@ -530,3 +530,17 @@ def test_the_default_embedded_corpus_in_bytes_touches_no_cache(tmp_path, monkeyp
     reference = np.frombuffer(embedded_corpus(), np.uint8)
     tokens = np.concatenate([data.train.tokens.open(), data.val.dataset.tokens.open()])
     assert np.array_equal(tokens, reference)  # the corpus' bytes, split into train and val
+
+
+def test_the_fingerprint_is_the_contents_not_where_or_when(folder, tmp_path):
+    import shutil
+
+    moved = tmp_path / "elsewhere" / "corpus"
+    shutil.copytree(folder, moved)
+    first = prepare(PrepareSettings(str(folder), "bpe", 400, cache_dir=str(tmp_path / "one")))
+    again = prepare(PrepareSettings(str(moved), "bpe", 400, cache_dir=str(tmp_path / "two")))
+    assert first.path != again.path and first.manifest["fingerprint"] == again.manifest["fingerprint"]
+    assert first.tokenizer.identity == again.tokenizer.identity  # the BPE trains the same on the same text
+    (moved / "e.txt").write_text(DOCS[3] + "!")
+    changed = prepare(PrepareSettings(str(moved), "bpe", 400, cache_dir=str(tmp_path / "two")))
+    assert changed.manifest["fingerprint"] != first.manifest["fingerprint"]

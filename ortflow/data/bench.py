@@ -63,7 +63,7 @@ def bench_prepare(source: str, tokenizer: str, vocab: int, num_proc: int | None,
             "seconds": seconds,
             "mb_per_s": size / seconds / 1e6,
             "tokens": sum(s["tokens"] for s in store.manifest["splits"].values()),
-            "tokenizer_train_s": store.manifest["tokenizer"].get("train_seconds"),
+            "tokenizer_train_s": store.manifest["prepare"].get("tokenizer_train_seconds"),
             "num_proc": store.manifest["prepare"]["num_proc"],
             "load_average": os.getloadavg(),
         }

@@ -248,9 +248,10 @@ def _unigram_entropy(counts: np.ndarray) -> float:
 
 # ---------------------------------------------------------------------------------------------------- tokenizer
 def build_tokenizer(
-    settings: PrepareSettings, src: sources.Sources, say: Callable[[str], None]
+    settings: PrepareSettings, src: sources.Sources, say: Callable[[str], None], timings: dict[str, float]
 ) -> tuple[Tokenizer, dict]:
-    """The tokenizer data.tokenizer names and what the manifest records about how it was made."""
+    """The tokenizer data.tokenizer names and what the manifest records about how it was made (its training time
+    goes to `timings`: not part of the content)."""
     choice = choose(settings.tokenizer)
     if choice.kind == BYTES:
         return ByteTokenizer(), {}
@@ -279,8 +280,8 @@ def build_tokenizer(
         "sampled": total > settings.bpe_train_bytes,
         "sample_budget_bytes": settings.bpe_train_bytes,
         "requested_vocab_size": settings.bpe_vocab_size,
-        "train_seconds": round(time.monotonic() - started, 2),
     }
+    timings["tokenizer_train_seconds"] = round(time.monotonic() - started, 2)
     if tokenizer.vocab_size < settings.bpe_vocab_size:
         log.info(
             "the corpus ran out of pairs to merge: BPE vocabulary %d < %d",
@@ -419,7 +420,8 @@ def _prepare_into(
     work: Path, settings: PrepareSettings, src: sources.Sources, key: str, say: Callable[[str], None]
 ) -> dict[str, Any]:
     started = time.monotonic()
-    tokenizer, made = build_tokenizer(settings, src, say)
+    timings: dict[str, float] = {}
+    tokenizer, made = build_tokenizer(settings, src, say, timings)
     dtype = token_dtype(tokenizer.vocab_size)
     num_proc = processes(settings)
     progress = Progress(f"preparing {Path(settings.source).name}", src.size, say)
@@ -447,6 +449,7 @@ def _prepare_into(
     manifest = _manifest(
         settings, src, files, tokenizer, made, encoded, split, dtype, time.monotonic() - started, num_proc, key
     )
+    manifest["prepare"] |= timings
     _write_text(work / MANIFEST, json.dumps(manifest, indent=2))  # last: a folder with a manifest is complete
     return manifest
 

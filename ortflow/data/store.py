@@ -27,9 +27,15 @@ UNFINGERPRINTED = ("fingerprint", "created", "ortflow_version", "prepare", "cach
 
 
 def fingerprint(manifest: dict[str, Any]) -> str:
-    """SHA-256 (first 16 hex digits) over the manifest's content: sources and their hashes, tokenizer and its hash,
-    token and byte counts, settings, format."""
-    content = {k: v for k, v in manifest.items() if k not in UNFINGERPRINTED}
+    """SHA-256 (first 16 hex digits) over the manifest's content: sources (relative paths, sizes, hashes), tokenizer
+    and its hash, token and byte counts, settings, format. Not over where things are (the source's and the
+    tokenizer file's absolute paths): the same text moved, or prepared on another machine, has the same fingerprint."""
+    content = json.loads(json.dumps({k: v for k, v in manifest.items() if k not in UNFINGERPRINTED}))
+    for section, key in (("source", "spec"), ("source", "root"), ("tokenizer", "source_file")):
+        content.get(section, {}).pop(key, None)
+    settings = content.get("settings", {})
+    if settings.get("tokenizer") not in (None, "bytes", "bpe"):
+        settings["tokenizer"] = "file"  # which file: its hash, in content["tokenizer"]
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
