@@ -24,7 +24,7 @@ SEED = Interval(ge=0, le=2**32 - 1)  # numpy's generator takes seeds below 2**32
 @dataclass
 class TransformerModelConfig:
     _target_: str = "ortflow.model.transformer.build_transformer"
-    vocab_size: int = ranged(256, Ge(1))  # byte-level text data has 256 token ids
+    vocab_size: int | None = ranged(None, Ge(1))  # null: the data's vocabulary (data.vocab_size, from its tokenizer)
     d_model: int = ranged(128, Ge(1))
     nhead: int = ranged(4, Ge(1))
     num_layers: int = ranged(2, Ge(1))
@@ -34,7 +34,7 @@ class TransformerModelConfig:
 
 
 @dataclass
-class MLPModelConfig(ModelConfig):
+class MLPModelConfig:
     _target_: str = "ortflow.model.mlp.build_mlp"
     in_features: int = ranged(64, Ge(1))  # 8x8 digits
     num_classes: int = ranged(10, Ge(1))  # outputs per sample (1 for one regression target)
