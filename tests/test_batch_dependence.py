@@ -15,6 +15,7 @@ from ortflow.errors import DataError, ModelError
 from ortflow.model.contract import check_model
 from ortflow.model.resnet import build_resnet
 from ortflow.step.loss import CrossEntropy
+from tests.user_model import NaNAtStep
 
 
 def _check(model: nn.Module, x: torch.Tensor, classes: int = 10):
@@ -26,7 +27,7 @@ def test_a_resnet_depends_on_its_batch_in_training_through_each_batchnorm_and_no
     model = build_resnet(10, width=4)
     facts = _check(model, torch.randn(4, 3, 16, 16))
     norms = [name for name, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
-    assert facts.in_training and not facts.in_eval and not facts.unidentified
+    assert facts.in_training and not facts.in_eval
     assert list(facts.training) == norms and facts.record()["layers"] == len(norms)
 
 
@@ -48,24 +49,7 @@ def test_batchnorm_without_running_statistics_depends_on_the_batch_in_eval_too()
 def test_per_sample_norms_are_independent_and_instance_norm_statistics_are_not(norm, in_training):
     model = nn.Sequential(nn.Conv1d(2, 6, 1), norm, nn.Flatten(), nn.Linear(24, 3))
     facts = _check(model, torch.randn(5, 2, 4), classes=3)
-    assert facts.in_training == in_training and not facts.in_eval and not facts.unidentified
-
-
-class OwnBatchStatistic(nn.Module):
-    """Centres its features over the batch in training only (a hand-written batch statistic)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = self.linear(x)
-        return h - h.mean(0) if self.training else h
-
-
-def test_a_batch_statistic_of_the_models_own_is_found_by_the_training_probe():
-    facts = _check(OwnBatchStatistic(), torch.randn(4, 8), classes=3)
-    assert facts.unidentified and facts.in_training and not facts.in_eval and facts.training == ()
+    assert facts.in_training == in_training and not facts.in_eval
 
 
 def test_the_probes_leave_the_model_as_it_was():
@@ -76,6 +60,15 @@ def test_the_probes_leave_the_model_as_it_was():
     unbuffered = nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6, track_running_stats=False), nn.Linear(6, 3))
     _check(unbuffered, torch.randn(5, 8), classes=3)
     assert unbuffered[1].running_mean is None and unbuffered[1].running_var is None  # fixed statistics undone
+
+
+def test_the_check_runs_no_training_forward():
+    """A training forward has effects no probe can undo in a user's model (here a call counter that decides which
+    step's loss turns NaN): training-mode dependence is read from the layers' types."""
+    model = NaNAtStep(256, 8, nan_steps=[1])
+    tokens = torch.randint(0, 256, (4, 6))
+    check_model(model, tokens, tokens, CrossEntropy(), "counter")
+    assert model.calls == 0 and model.training
 
 
 class SequenceFirstWithBatchNorm(nn.Module):
@@ -205,7 +198,6 @@ def test_a_batch_independent_model_trains_and_evaluates_on_short_batches(tmp_pat
         "in_eval": False,
         "layers": 0,
         "first_layers": [],
-        "unidentified": False,
     }
     assert record["train"] == {"policy": "kept", "short_batches": EPOCH_ENDS, "samples": EPOCH_ENDS * 4}
     assert record["eval"]["policy"] == "kept"

@@ -7,10 +7,10 @@ Such a model trains correctly as long as no padded rows join its batches (ortflo
 that). Any other interaction between samples in evaluation mode is a contract violation, usually a sequence-first
 layer fed batch-first data (model/contract.py refuses it).
 
-The probes change one sample of a batch and measure how far the other samples' outputs move: in evaluation mode with
-the batch-statistics layers held at fixed statistics (so only other interactions can move them), and, when the model
-has no such layer, in training mode too (same random draws in both forwards), which finds a batch statistic of the
-model's own making.
+The probe changes one sample of a batch and measures how far the other samples' outputs move, in evaluation mode
+with the batch-statistics layers held at fixed statistics (so only other interactions can move them). Training-mode
+dependence is read from the layers' types, not probed: a training forward has effects a probe cannot undo in a
+user's model (a call counter, a step schedule, an EMA kept in Python attributes).
 """
 
 import contextlib
@@ -20,8 +20,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from ortflow.model.probe import training_forward_probe
 
 BATCH_NORMS = (
     nn.BatchNorm1d,
@@ -55,17 +53,14 @@ class BatchDependence:
             InstanceNorm with track_running_stats=True).
         eval: layers that normalise with the batch's statistics in evaluation mode too (BatchNorm with
             track_running_stats=False).
-        unidentified: the training-mode probe saw samples interact with none of those layers in the model (a batch
-            statistic of the model's own, e.g. `x - x.mean(0)`).
     """
 
     training: tuple[str, ...] = ()
     eval: tuple[str, ...] = ()
-    unidentified: bool = False
 
     @property
     def in_training(self) -> bool:
-        return bool(self.training) or self.unidentified
+        return bool(self.training)
 
     @property
     def in_eval(self) -> bool:
@@ -77,8 +72,6 @@ class BatchDependence:
             return f"{_names(self.eval)} normalise with the batch's statistics in training and evaluation"
         if self.training:
             return f"{_names(self.training)} use the batch's statistics in training"
-        if self.unidentified:
-            return "its training-mode outputs depend on other samples of the batch (no BatchNorm layer found)"
         return "its outputs do not depend on other samples of the batch"
 
     def record(self) -> dict[str, Any]:
@@ -88,7 +81,6 @@ class BatchDependence:
             "in_eval": self.in_eval,
             "layers": len(self.training),
             "first_layers": list(self.training[:_SHOWN]),
-            "unidentified": self.unidentified,
         }
 
 
@@ -148,12 +140,9 @@ def others_moved(
     call: Callable[[tuple[torch.Tensor, ...]], Any], tensors: tuple[torch.Tensor, ...], out: Any = None
 ) -> bool:
     """Whether changing sample 0 moves the other samples' outputs beyond rounding. `call` maps input tensors to the
-    model's output (`out`: its output on `tensors`, when already computed); a non-tensor output (a training-mode
-    forward returning extras) counts as not moved."""
+    model's output (`out`: its output on `tensors`, when already computed)."""
     out = call(tensors) if out is None else out
     probe = call(changed_first_sample(tensors))
-    if not isinstance(out, torch.Tensor) or not isinstance(probe, torch.Tensor) or out.shape != probe.shape:
-        return False
     moved = (probe[1:] - out[1:]).abs().max()
     return bool(moved > MIX_TOLERANCE * out[1:].abs().max().clamp_min(1.0))
 
@@ -167,15 +156,3 @@ def moves_in_eval(
         return others_moved(call, tensors, out)
     with fixed_statistics(model, known.eval):
         return others_moved(call, tensors)
-
-
-def moves_in_training(model: nn.Module, call: Callable, tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether samples interact in training mode (both forwards with the same random draws; buffers restored)."""
-
-    def seeded(batch: tuple[torch.Tensor, ...]) -> Any:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            return call(batch)
-
-    with training_forward_probe(model):
-        return others_moved(seeded, tensors)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ortflow.errors import ModelError, OrtflowError
-from ortflow.model.batch_dependence import BatchDependence, known_layers, moves_in_eval, moves_in_training
+from ortflow.model.batch_dependence import BatchDependence, known_layers, moves_in_eval
 from ortflow.step.batch import Inputs, describe, layout_of
 from ortflow.step.loss import Loss
 
@@ -108,6 +108,4 @@ def _batch_dependence(
             "make the model batch-first. (Batch statistics, BatchNorm's, are a known dependence and were held fixed "
             "for this check.)"
         )
-    if known.in_training:
-        return known
-    return BatchDependence(unidentified=moves_in_training(model, call, tensors))
+    return known
