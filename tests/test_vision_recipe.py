@@ -3,6 +3,7 @@ model=resnet, torchvision models by name or by _target_ (a ResNet-18, a small Vi
 in the ORT modes (ORT's run counters, and eager's accuracy for the recipe)."""
 
 import json
+import sys
 
 import pytest
 from hydra.utils import instantiate
@@ -65,6 +66,14 @@ def test_an_unknown_torchvision_name_suggests_the_close_ones():
 def test_a_builder_that_fixes_its_architecture_points_to_the_class():
     with pytest.raises(ModelError, match=r"refused its arguments.*model\.name=VisionTransformer"):
         build_torchvision("vit_b_16", 10, kwargs={"patch_size": 8})
+
+
+def test_model_torchvision_without_torchvision_names_the_extra_to_install(monkeypatch):
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision raises ImportError
+    with pytest.raises(ModelError, match=r"pip install 'ortflow\[vision\]'"):
+        build_torchvision("resnet18", 10)
 
 
 def test_a_torchvision_model_by_name_takes_its_keyword_arguments():
