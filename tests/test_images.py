@@ -155,6 +155,11 @@ def test_embedded_fingerprint_follows_the_generator_settings():
         assert images(**change).fingerprint != base, change
 
 
+def test_fewer_drawn_images_than_a_batch_says_what_to_change():
+    with pytest.raises(DataError, match=r"data\.train_images=10 is fewer than one batch of data\.batch_size=16"):
+        images(train_images=10)
+
+
 def test_data_images_composes_from_the_config_group():
     cfg = make_cfg("data=images")
     assert cfg.data._target_.endswith("build_images_data") and cfg.data.image_size >= 32

@@ -13,6 +13,7 @@ from ortflow.data import Data
 from ortflow.data.images import shapes
 from ortflow.data.images.loaders import Transformed, image_loaders
 from ortflow.data.images.transforms import Transforms
+from ortflow.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,14 @@ def build_images_data(
         num_workers: DataLoader worker processes.
 
     Raises:
-        DataError: torchvision (for the transforms) is not installed, or a transform setting is invalid.
+        DataError: torchvision (for the transforms) is not installed, a transform setting is invalid, or there are
+            fewer training images than one batch.
     """
+    if train_images < batch_size:
+        raise DataError(
+            f"data.train_images={train_images} is fewer than one batch of data.batch_size={batch_size}; raise "
+            "data.train_images or lower data.batch_size."
+        )
     transforms = Transforms.from_config(image_size, resize, crop, crop_scale, hflip, mean, std)
     train_transform, val_transform = transforms.train(image_size), transforms.eval(image_size)
     streams = np.random.SeedSequence(seed).spawn(2)  # training and validation images never share draws
