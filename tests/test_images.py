@@ -17,7 +17,7 @@ from ortflow.data.images import shapes
 from ortflow.data.images.embedded import build_images_data
 from ortflow.data.images.folder import build_image_folder_data
 from ortflow.data.resumable import ResumableBatches
-from ortflow.errors import DataError
+from ortflow.errors import ConfigError, DataError
 from tests.conftest import make_cfg
 
 EMBEDDED = {
@@ -158,6 +158,11 @@ def test_embedded_fingerprint_follows_the_generator_settings():
 def test_fewer_drawn_images_than_a_batch_says_what_to_change():
     with pytest.raises(DataError, match=r"data\.train_images=10 is fewer than one batch of data\.batch_size=16"):
         images(train_images=10)
+
+
+def test_a_crop_scale_out_of_order_names_the_key():
+    with pytest.raises(ConfigError, match=r"data\.crop_scale=\[0\.9, 0\.2\]"):
+        images(crop="random_resized", crop_scale=[0.9, 0.2])
 
 
 def test_data_images_composes_from_the_config_group():

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ortflow.errors import DataError
+from ortflow.errors import ConfigError, DataError
 
 
 def require_torchvision(what: str, module: str = "torchvision") -> ModuleType:
@@ -60,6 +60,7 @@ class Transforms:
 
         Raises:
             DataError: crop is not a known mode, or mean and std differ in length.
+            ConfigError: crop_scale is not [min, max].
         """
         crop = crop.value if isinstance(crop, Enum) else str(crop)
         if crop not in ("random_resized", "center"):
@@ -67,6 +68,8 @@ class Transforms:
         if len(mean) != len(std):
             raise DataError(f"data.mean has {len(mean)} values and data.std {len(std)}: give one of each per channel.")
         low, high = (float(s) for s in crop_scale)
+        if low > high:
+            raise ConfigError(f"data.crop_scale={[low, high]}: give [min, max] shares of the image's area.")
         return cls(image_size, resize, crop, (low, high), float(hflip), tuple(map(float, mean)), tuple(map(float, std)))
 
     def _evaluation_crop(self, v2: ModuleType, source_size: int | None) -> list[Any]:
