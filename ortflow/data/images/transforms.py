@@ -82,7 +82,11 @@ class Transforms:
 
     def train(self, source_size: int | None = None) -> Callable[[Any], torch.Tensor]:
         """The training pipeline; `source_size`: the side of square source images when all share it (skips a
-        resize to the same size)."""
+        resize to the same size).
+
+        Raises:
+            DataError: torchvision is not installed.
+        """
         v2 = require_torchvision("the image transforms", "torchvision.transforms.v2")
         if self.crop == "random_resized":
             steps = [v2.RandomResizedCrop(self.image_size, scale=self.crop_scale, antialias=True)]
@@ -93,7 +97,11 @@ class Transforms:
         return v2.Compose([*steps, *self._to_float(v2)])
 
     def eval(self, source_size: int | None = None) -> Callable[[Any], torch.Tensor]:
-        """The evaluation pipeline (deterministic)."""
+        """The evaluation pipeline (deterministic).
+
+        Raises:
+            DataError: torchvision is not installed.
+        """
         v2 = require_torchvision("the image transforms", "torchvision.transforms.v2")
         return v2.Compose([*self._evaluation_crop(v2, source_size), *self._to_float(v2)])
 
