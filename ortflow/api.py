@@ -15,10 +15,7 @@ ModelError, CheckpointError, RunDirError).
 """
 
 import contextlib
-import logging
-import logging.config
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -38,6 +35,7 @@ from ortflow.config import register_configs
 from ortflow.errors import CheckpointError, ConfigError, RunDirError
 from ortflow.paths import config_dir as ortflow_config_dir
 from ortflow.report.summary import print_summary
+from ortflow.report.terminal import job_logging
 from ortflow.run.metadata import read_record
 from ortflow.validate import validate
 
@@ -126,28 +124,6 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None)
     return cfg
 
 
-@contextlib.contextmanager
-def _job_logging(run_dir: Path) -> Iterator[None]:
-    """The logging a job gets from the `ortflow` command (conf/hydra/job_logging/ortflow.yaml: the terminal
-    handler and <run dir>/ortflow.log), restored to what it was afterwards."""
-    root = logging.getLogger()
-    saved = (list(root.handlers), root.level)
-    spec = OmegaConf.to_container(OmegaConf.load(ortflow_config_dir() / "hydra" / "job_logging" / "ortflow.yaml"))
-    spec["handlers"]["file"]["filename"] = str(run_dir / "ortflow.log")
-    root.handlers = []
-    logging.config.dictConfig(spec)
-    showwarning = warnings.showwarning  # the runner sends other libraries' warnings to the log (captureWarnings)
-    try:
-        yield
-    finally:
-        for handler in root.handlers:
-            if handler not in saved[0]:
-                handler.close()
-        root.handlers, root.level = saved
-        if warnings.showwarning is not showwarning:
-            logging.captureWarnings(False)
-
-
 def _save_hydra_files(run_dir: Path, cfg: DictConfig, overrides: list[str]) -> None:
     """What Hydra's entry point writes into a run's .hydra/: the task's config and its overrides."""
     hydra_dir = run_dir / ".hydra"
@@ -196,7 +172,7 @@ def train(
     lock = claim(path, OmegaConf.select(cfg, "trainer.resume"))
     started = time.monotonic()
     try:
-        with _job_logging(path):
+        with job_logging(path / "ortflow.log"):
             _save_hydra_files(path, cfg, overrides)
             try:
                 outcome = runner.train(cfg, path, overrides)

@@ -43,6 +43,21 @@ class MLPModelConfig:
 
 
 @dataclass
+class HFModelConfig:
+    """model=hf: a Hugging Face transformers model (ortflow/model/hf.py)."""
+
+    _target_: str = "ortflow.model.hf.build_hf_model"
+    task: str = "causal_lm"  # causal_lm | masked_lm | sequence_classification | token_classification
+    name_or_path: str | None = None  # a local model dir or a name in the local HF cache; null: random init
+    model_type: str | None = "gpt2"  # the architecture of a random-initialised model
+    config: dict[str, Any] = field(default_factory=dict)  # the architecture's config keys (++model.config.n_layer=2)
+    vocab_size: int | None = ranged(None, Ge(1))  # random init: the data's vocabulary
+    max_positions: int | None = ranged(None, Ge(1))  # random init: the context length (the data's block size)
+    num_labels: int | None = ranged(None, Ge(2))  # classification heads: classes
+    output: str = "logits"  # the output field the forward returns
+
+
+@dataclass
 class ResNetModelConfig:
     _target_: str = "ortflow.model.resnet.build_resnet"
     num_classes: int = ranged(10, Ge(1))
@@ -317,6 +332,7 @@ _SCHEMAS: dict[str, dict[str, type]] = {
     "model": {
         "transformer": TransformerModelConfig,
         "mlp": MLPModelConfig,
+        "hf": HFModelConfig,
         "resnet": ResNetModelConfig,
         "torchvision": TorchvisionModelConfig,
     },

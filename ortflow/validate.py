@@ -14,6 +14,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from ortflow import accel, distributed, ranges
 from ortflow.errors import collect
+from ortflow.model import OUTPUT_KEY
 from ortflow.run.trainer import FINAL_METRICS
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
     schema = OmegaConf.get_type(node)
     if dataclasses.is_dataclass(schema):
         declared = {f.name for f in dataclasses.fields(schema)}
+        if path == "model.":
+            declared.add(OUTPUT_KEY)  # ortflow's own key in every model group (+model._output_=KEY), never ignored
         for key in node:
             if key not in declared:
                 found.append(f"{path}{key} is not a setting ortflow knows; remove it (known: {sorted(declared)}).")

@@ -29,7 +29,7 @@ BIGRAM = ["+model.vocab_size=256", "+model.width=16"]
         (["model=custom", "model._target_=tests.user_model.build_wrong_rank", *BIGRAM], "logits of shape (8, 256)"),
         (["model=custom", "model._target_=tests.user_model.build_too_few_classes", *BIGRAM], "10 classes"),
         (["model=custom", "model._target_=tests.seed_model.build"], "mixes samples across the batch dimension"),
-        (["model=transformer", "data=digits"], "forward failed on a data batch"),
+        (["model=transformer", "data=digits", "model.vocab_size=256"], "forward failed on a data batch"),
     ],
 )
 @pytest.mark.parametrize("mode", ["none", "ortmodule", "artifacts"])
@@ -41,12 +41,17 @@ def test_a_model_that_breaks_the_contract_is_refused_before_training(
     status, stderr = ortflow_cli(*args, *base, f"accel={mode}", "hydra.run.dir=r", cwd=tmp_path)
     assert status == 2 and says in stderr, stderr[-2000:]
     assert "Traceback" not in stderr and "model._target_=" in stderr
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [".hydra", "ortflow.log", "run.json"]
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [".hydra", ".ortflow.lock", "ortflow.log", "run.json"]
+
+
+def test_a_vocabulary_that_follows_data_without_one_is_refused_naming_the_key(tmp_path, ortflow_cli):
+    status, stderr = ortflow_cli("model=transformer", "data=digits", "hydra.run.dir=r", cwd=tmp_path)
+    assert status == 2 and "model.vocab_size is null" in stderr and "Traceback" not in stderr, stderr[-2000:]
 
 
 def test_the_shipped_transformer_and_a_sequence_first_model_pass_the_batch_check():
     x = torch.randint(0, 256, (4, 8))
-    shipped = make_cfg()
+    shipped = make_cfg("model.vocab_size=256")
     from hydra.utils import instantiate
 
     check_model(instantiate(shipped.model), x, x, CrossEntropy(), "transformer")

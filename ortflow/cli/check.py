@@ -174,17 +174,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated accel modes (default: all)")
     parser.add_argument("--out", type=Path, help="JSON file (default outputs/check/<time>.json)")
     args = parser.parse_args(argv)
-    terminal.quiet_import("torch.utils.cpp_extension")  # its CUDA_HOME notice is not news on a CPU machine
-    overrides = [o for o in args.overrides if not o.startswith("accel=")]
-    try:
-        report = check(overrides, max(args.steps, 2), args.modes.split(","))
-    except OrtflowError as err:
-        print(f"ortflow-check: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    Console(width=None if sys.stdout.isatty() else 200).print(_table(report))
     out = args.out or Path("outputs") / "check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.json"
+    overrides = [o for o in args.overrides if not o.startswith("accel=")]
+    # Other libraries' notices (torch's tracer and deprecation warnings, transformers, ONNX Runtime's native log
+    # lines, the CUDA_HOME notice) go to a log file beside the JSON, as a training run's go to its ortflow.log.
+    with terminal.job_logging(out.with_suffix(".log")):
+        terminal.quiet_import("torch.utils.cpp_extension")
+        try:
+            with terminal.native_stderr("ortflow-check"):
+                report = check(overrides, max(args.steps, 2), args.modes.split(","))
+        except OrtflowError as err:
+            print(f"ortflow-check: error: {err}", file=sys.stderr)
+            sys.exit(2)
+    Console(width=None if sys.stdout.isatty() else 200).print(_table(report))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"log: {out.with_suffix('.log')}")
     print(f"written to {out}")
 
 

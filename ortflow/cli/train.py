@@ -25,7 +25,7 @@ from ortflow.errors import OrtflowError
 from ortflow.paths import config_dir
 from ortflow.report.summary import print_summary
 from ortflow.run import launch
-from ortflow.run.guard import claim, owns_its_dir
+from ortflow.run.guard import claim, owns_its_dir, release_held
 from ortflow.run.metadata import read_record
 from ortflow.run.signals import Interrupted, Preempted
 from ortflow.validate import validate
@@ -139,7 +139,10 @@ def main() -> None:
     except OrtflowError as err:
         print(f"ortflow: error{_rank()}: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
-    _main()
+    try:
+        _main()
+    finally:
+        release_held()  # the dirs this command claimed (exiting releases them too; a caller in-process goes on)
 
 
 if __name__ == "__main__":

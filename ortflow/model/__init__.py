@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ortflow.errors import ModelError
+
 
 def _swap(value: Any) -> Any:
     return value.transpose(0, 1) if isinstance(value, torch.Tensor) and value.dim() >= 2 else value
@@ -35,13 +37,33 @@ def sequence_first(model: nn.Module) -> nn.Module:
 OUTPUT_KEY = "_output_"
 
 
-def pick(output: Any, key: str) -> Any:
-    """`output[int(key)]` for a tuple or list, `output[key]` for a mapping, `getattr(output, key)` otherwise."""
-    if isinstance(output, tuple | list):
-        return output[int(key)]
+def output_keys(output: Any) -> list[str]:
+    """The fields a forward's output offers: a tuple's indices, a dict's (or ModelOutput's) keys, an object's public
+    attributes."""
     if isinstance(output, dict):
-        return output[key]
-    return getattr(output, key)
+        return [str(k) for k in output]
+    if isinstance(output, tuple | list):
+        return [str(i) for i in range(len(output))]
+    return [k for k in vars(output) if not k.startswith("_")] if hasattr(output, "__dict__") else []
+
+
+def pick(output: Any, key: str) -> Any:
+    """`output[int(key)]` for a tuple or list, `output[key]` for a mapping, `getattr(output, key)` otherwise.
+
+    Raises:
+        ModelError: the output has no such field (the message names the ones it has).
+    """
+    try:
+        if isinstance(output, tuple | list):
+            return output[int(key)]
+        if isinstance(output, dict):
+            return output[key]
+        return getattr(output, key)
+    except (IndexError, KeyError, AttributeError, ValueError):
+        raise ModelError(
+            f"model._output_={key!r}: the model's forward returned a {type(output).__name__} without that field; it "
+            f"has {output_keys(output)}. Set model._output_ to the one holding the logits."
+        ) from None
 
 
 def select_output(model: nn.Module, key: str) -> nn.Module:

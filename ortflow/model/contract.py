@@ -55,6 +55,8 @@ def check_model(model: nn.Module, inputs: Inputs, targets: torch.Tensor, loss: L
     try:
         try:
             out = layout.call(model, tensors)
+        except ModelError:
+            raise  # already says what is wrong (e.g. an output key the forward does not return)
         except Exception as err:
             raise OrtflowError(
                 f"model._target_={target}: the model's forward failed on a data batch of inputs "

@@ -9,10 +9,13 @@ import contextlib
 import importlib
 import io
 import logging
+import logging.config
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import ClassVar
 
 from rich.console import Console
@@ -117,3 +120,33 @@ def native_stderr(source: str) -> Iterator[None]:
             os.close(saved)
             captured.seek(0)
             _log_lines(captured.read().decode(errors="replace"), source)
+
+
+@contextlib.contextmanager
+def job_logging(log_file: Path) -> Iterator[None]:
+    """While inside: the logging an `ortflow` job gets from Hydra (conf/hydra/job_logging/ortflow.yaml: this module's
+    terminal handler and a log file, here `log_file`), with other libraries' warnings captured into it; afterwards
+    the root logger's handlers and level, and warnings' display, are as they were. For the Python API and the
+    commands Hydra does not start (ortflow-check, ortflow-bench)."""
+    from omegaconf import OmegaConf
+
+    from ortflow.paths import config_dir
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    spec = OmegaConf.to_container(OmegaConf.load(config_dir() / "hydra" / "job_logging" / "ortflow.yaml"))
+    spec["handlers"]["file"]["filename"] = str(log_file)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    root.handlers = []
+    logging.config.dictConfig(spec)
+    showwarning = warnings.showwarning
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers, root.level = handlers, level
+        if warnings.showwarning is not showwarning:
+            logging.captureWarnings(False)

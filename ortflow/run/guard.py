@@ -105,13 +105,19 @@ def claim(run_dir: Path, resume: str | None, *, sweep_job: bool = False) -> RunD
             n = 1 + sum(1 for _ in run_dir.glob(".hydra-attempt-*"))
             shutil.copytree(run_dir / ".hydra", run_dir / f".hydra-attempt-{n}")
     except BaseException:
-        lock.release()
+        lock.release(restore=True)
         raise
     return lock
 
 
 # The locks this process holds for the run dirs and sweep dirs the command line started (released at exit).
 _held: list[RunDirLock] = []
+
+
+def release_held() -> None:
+    """Give up the dirs the command line claimed (the run or sweep has ended; exiting would release them too)."""
+    while _held:
+        _held.pop().release()
 
 
 def owns_its_dir() -> bool:
@@ -136,6 +142,12 @@ class RunDirGuard(Callback):
             _held.append(claim(Path(config.hydra.run.dir), OmegaConf.select(config, "trainer.resume", default=None)))
         except RunDirError as err:
             _refuse(err)
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        release_held()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        release_held()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -24,9 +24,10 @@ LOCK_FILE = ".ortflow.lock"
 class RunDirLock:
     """The lock of one run (or sweep) dir, held from `acquire` until `release` or the end of the process."""
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int, previous: bytes = b"") -> None:
         self.path = path
         self._fd: int | None = fd
+        self._previous = previous  # the last owner's record, put back by release(restore=True)
 
     @classmethod
     def acquire(cls, directory: Path, what: str = "run dir") -> "RunDirLock":
@@ -53,17 +54,22 @@ class RunDirLock:
                 "or use another directory."
             ) from None
         owner = {"pid": os.getpid(), "host": platform.node(), "since": datetime.now().astimezone().isoformat()}
+        previous = os.pread(fd, 4096, 0)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(owner).encode(), 0)
-        return cls(path, fd)
+        return cls(path, fd, previous)
 
     @property
     def held(self) -> bool:
         return self._fd is not None
 
-    def release(self) -> None:
-        """Give the dir up (idempotent). The lock file stays; its content only describes the last owner."""
+    def release(self, restore: bool = False) -> None:
+        """Give the dir up (idempotent). The lock file stays; its content only describes the last owner, or with
+        `restore` (a run refused right after taking the lock) the owner before, so the dir is left as it was."""
         if self._fd is not None:
+            if restore:
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, self._previous, 0)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

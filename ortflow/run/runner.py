@@ -72,7 +72,15 @@ def build_data(cfg: DictConfig) -> Data:
 def _vocabulary(node: DictConfig, data: Data) -> None:
     """model.vocab_size null: the data's vocabulary (its tokenizer's); set, it must hold every token id."""
     vocab = data.info.get("vocab_size")
-    if "vocab_size" not in node or vocab is None:
+    if "vocab_size" not in node:
+        return
+    if vocab is None:
+        if node.vocab_size is None:
+            raise ConfigError(
+                f"model.vocab_size is null, which means 'the data's vocabulary', but data "
+                f"({data.info.get('source', 'this data')}) has none: it gives no token ids. Set model.vocab_size, or "
+                "choose a model that fits this data (e.g. model=mlp for data=digits)."
+            )
         return
     if node.vocab_size is None:
         node.vocab_size = int(vocab)

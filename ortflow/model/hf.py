@@ -1,0 +1,137 @@
+"""`model=hf`: a Hugging Face transformers model, pretrained from a local directory or the local Hugging Face cache,
+or randomly initialised from an architecture and sizes in YAML, with no download either way.
+
+    ortflow model=hf model.model_type=gpt2 ++model.config.n_layer=2 ++model.config.n_embd=64 ++model.config.n_head=2
+    ortflow model=hf model.name_or_path=/models/tiny-llama          # a local checkpoint (or a cached hub name)
+    ortflow model=hf model.task=sequence_classification model.num_labels=2 data=custom ...
+
+The vocabulary and the context length of a random-initialised model follow the data (`model.vocab_size` and
+`model.max_positions`, filled from `data.vocab_size` and `data.block_size`). The forward returns the output field
+`model.output` (default `logits`) as a tensor, so every engine and every export sees a tensor-returning model; batch
+inputs are passed on as they come (a tensor of token ids positionally as `input_ids`, a dict by keyword).
+transformers is an optional extra (`pip install 'ortflow[hf]'`); its log records go to the run's log file.
+"""
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from ortflow.errors import ModelError
+from ortflow.model import output_keys
+
+log = logging.getLogger(__name__)
+
+# model.task -> the transformers auto class that builds that head.
+TASKS = {
+    "causal_lm": "AutoModelForCausalLM",
+    "masked_lm": "AutoModelForMaskedLM",
+    "sequence_classification": "AutoModelForSequenceClassification",
+    "token_classification": "AutoModelForTokenClassification",
+}
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ModelError(
+            "model=hf needs Hugging Face transformers, which is not installed: pip install 'ortflow[hf]'."
+        ) from None
+    # Its records go through Python logging to the run's log file (the terminal shows ortflow's own warnings only).
+    transformers.utils.logging.disable_default_handler()
+    transformers.utils.logging.enable_propagation()
+    return transformers
+
+
+class HFModel(nn.Module):
+    """A transformers model whose forward returns one tensor: the `output` field of the model's output."""
+
+    def __init__(self, model: nn.Module, output: str) -> None:
+        super().__init__()
+        self.model = model
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args and "attention_mask" not in kwargs and len(args) == 1:
+            # Token ids alone: every position is real. An explicit all-ones mask keeps transformers from looking
+            # for packed sequences in the position ids (torch.diff, which the ONNX exporter cannot export).
+            kwargs["attention_mask"] = torch.ones_like(args[0])
+        out = self.model(*args, **kwargs)
+        if isinstance(out, dict) and self.output in out:
+            return out[self.output]
+        raise ModelError(
+            f"model.output={self.output!r}: the model's output has no field {self.output!r}; it returned "
+            f"{output_keys(out)}. Set model.output to one of them (the logits, for training)."
+        )
+
+
+def build_hf_model(
+    task: str = "causal_lm",
+    name_or_path: str | None = None,
+    model_type: str | None = "gpt2",
+    config: dict[str, Any] | None = None,
+    vocab_size: int | None = None,
+    max_positions: int | None = None,
+    num_labels: int | None = None,
+    output: str = "logits",
+) -> nn.Module:
+    """Build a transformers model for `task`.
+
+    Args:
+        task: the head: causal_lm, masked_lm, sequence_classification or token_classification.
+        name_or_path: a local model directory or a model name in the local Hugging Face cache (pretrained weights;
+            nothing is downloaded). None: a random-initialised `model_type` model.
+        model_type: the architecture of a random-initialised model (transformers' model_type: gpt2, llama, bert,
+            distilbert, ...).
+        config: keyword arguments for the architecture's config (sizes: n_layer, hidden_size, ...), also applied on
+            top of a pretrained model's config.
+        vocab_size: the vocabulary of a random-initialised model (from the data).
+        max_positions: the context length of a random-initialised model (from the data's block size).
+        num_labels: classes of a classification head.
+        output: the output field the forward returns (logits).
+
+    Returns:
+        The model, mapping token ids (B, T) (or the data's dict of inputs) to the `output` tensor.
+
+    Raises:
+        ModelError: transformers is missing, the task or architecture is unknown, or the pretrained model is
+            not available locally.
+    """
+    transformers = _transformers()
+    if task not in TASKS:
+        raise ModelError(f"model.task={task!r} is not a task ortflow knows; choose one of {sorted(TASKS)}.")
+    auto = getattr(transformers, TASKS[task])
+    settings = dict(config or {})
+    if task == "causal_lm":
+        settings.setdefault("use_cache", False)  # training: no key/value cache among the outputs
+    if num_labels is not None:
+        settings["num_labels"] = num_labels
+    if name_or_path:
+        try:
+            model = auto.from_pretrained(name_or_path, local_files_only=True, **settings)
+        except (OSError, ValueError) as err:
+            raise ModelError(
+                f"model.name_or_path={name_or_path!r} is not a model directory here nor a model in the local Hugging "
+                f"Face cache, and ortflow downloads nothing ({str(err).strip().splitlines()[0]}). Give a local "
+                "directory holding config.json and the weights, or set model.name_or_path=null for a random-"
+                "initialised model."
+            ) from None
+        source = name_or_path
+    else:
+        if not model_type:
+            raise ModelError("model=hf needs model.name_or_path (pretrained) or model.model_type (random init).")
+        try:
+            model_config = transformers.AutoConfig.for_model(model_type, **settings)
+        except ValueError as err:
+            raise ModelError(f"model.model_type={model_type!r}: {str(err).splitlines()[0]}") from None
+        if vocab_size is not None:
+            model_config.vocab_size = vocab_size
+        if max_positions is not None and "max_position_embeddings" not in settings:
+            model_config.max_position_embeddings = max_positions  # gpt2's n_positions through its attribute map
+        model = auto.from_config(model_config)
+        source = f"random {model_type}"
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("built %s (%s, %s): %.2fM parameters", type(model).__name__, source, task, n_params / 1e6)
+    return HFModel(model, output)
