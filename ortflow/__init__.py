@@ -14,7 +14,15 @@ Hydra, ONNX Runtime) load on first use.
 
 from typing import Any
 
-from ortflow.errors import CheckpointError, ConfigError, DataError, ModelError, OrtflowError, RunDirError
+from ortflow.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    ModelError,
+    OrtflowError,
+    RunDirError,
+    TrainingDiverged,
+)
 
 __all__ = [
     "CheckpointError",
@@ -24,6 +32,7 @@ __all__ = [
     "OrtflowError",
     "RunDirError",
     "RunResult",
+    "TrainingDiverged",
     "__version__",
     "compose",
     "load_run",

@@ -282,7 +282,13 @@ class TrainerConfig:
     # null: a new run. auto: continue the latest valid checkpoint in this run dir (a fresh start if it has none).
     # A path: continue from that checkpoint file (any accel mode's checkpoint loads in any other).
     resume: str | None = None
-    on_nonfinite: OnNonFinite = OnNonFinite.stop  # what a NaN/inf training loss does
+    # Resuming on data whose fingerprint differs from the checkpoint's (a changed file or data setting) is refused;
+    # true continues on the new data (recorded). Another tokenizer is always refused.
+    allow_data_change: bool = False
+    on_nonfinite: OnNonFinite = OnNonFinite.stop  # what a NaN/inf loss, gradient norm or eval metric does
+    # Stop when the training loss, averaged over a log window, exceeds this many times the first step's loss (the
+    # model far worse than as built: a learning rate too high). null = off.
+    divergence_factor: float | None = ranged(2.0, Gt(1))
     # A smoke run of any recipe: N steps, one eval batch at the end, no checkpoints. 0 = off.
     fast_dev_run: int = ranged(0, Ge(0))
     max_skipped_steps: int = ranged(10, Ge(0))  # with on_nonfinite=skip: stop after this many non-finite steps in a row
@@ -298,6 +304,9 @@ class ExportConfig:
 
     onnx: bool = False
     opset: int = ranged(17, Interval(ge=14, le=20))  # 17: LayerNormalization is one op; torch 2.6 exports up to 20
+    # The largest |ONNX Runtime - torch| difference accepted on validation batches, relative to the outputs' largest
+    # magnitude (at least 1); above it the run fails and the file is removed.
+    tolerance: float = ranged(1e-4, Interval(gt=0, lt=1))
 
 
 @dataclass

@@ -6,6 +6,7 @@ engine allows around it (ORTModule innermost, no data parallelism in the artifac
 check (ortflow/accel/<mode>.py: problems); this module knows the wrappers, not the engines.
 """
 
+import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,11 +87,34 @@ def start(cfg: DistributedConfig) -> World:
     """Join the process group torchrun set up (environment variables), if there is more than one process."""
     world = world_from_env()
     if world.size > 1 and not dist.is_initialized():
+        # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is imported, and
+        # DistributedDataParallel imports it (through torch._dynamo) on first use. Imported after the group exists,
+        # those defaults hold the group for the life of the process: destroy_process_group then cannot free its
+        # gloo backend, whose three threads (2 workers and the TCP event loop) run on through interpreter shutdown.
+        # Imported first, the defaults are None.
+        import torch.distributed.nn  # noqa: F401
+
         dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
     return world
 
 
+def settle() -> None:
+    """After a run's last step and its last file, on every rank: wait until all ranks got here (a barrier). No rank
+    then tears its connections down while a peer is still in an earlier collective or still writing.
+
+    Called only when the run ended normally on this rank: a rank that failed goes straight to `stop` (its peers'
+    next collective, this barrier included, then fails at once on the closed connection)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def stop() -> None:
+    """Release a run's native resources in an order that leaves none of them to interpreter shutdown: first the
+    engine (DDP's reducer and ORT's sessions live in reference cycles, which a collection frees now, while ORT's
+    environment and the process group still exist), then the process group, whose gloo backend then stops and joins
+    its threads. Left to shutdown, the sessions outlived the ORT environment that ORT's atexit handler deletes, and
+    the gloo threads ran on through interpreter finalization and exit()."""
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 

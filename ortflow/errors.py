@@ -26,6 +26,11 @@ class CheckpointError(OrtflowError):
     """A checkpoint that cannot be read, is corrupt, or does not fit the run continuing it (names the file)."""
 
 
+class TrainingDiverged(OrtflowError):
+    """The loss, the gradients or an evaluation became non-finite, or the loss diverged: the run stopped before
+    applying or saving that step (the message names the settings that likely caused it)."""
+
+
 class RunDirError(OrtflowError):
     """A run dir that cannot be used: owned by another process, foreign, unwritable, or full."""
 

@@ -28,6 +28,7 @@ from ortflow.accel.rewrites import MaskSampler, Rewrites, prepare_training_graph
 from ortflow.config import OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
+from ortflow.files import as_write_failure
 from ortflow.model.probe import training_forward_probe
 from ortflow.ranges import ranged
 from ortflow.report import terminal
@@ -123,7 +124,11 @@ def _cannot_train(what: str, by: str = "ORT's training API") -> Iterator[None]:
     construct."""
     try:
         yield
-    except (RuntimeError, ValueError, AssertionError, onnx.checker.ValidationError) as err:
+    except (RuntimeError, ValueError, AssertionError, onnx.checker.ValidationError, OSError) as err:
+        if (failure := as_write_failure(err, "the run dir's onnx/ folder")) is not None:
+            raise failure from err  # the model is fine: the disk is full
+        if isinstance(err, OSError):
+            raise
         raise OrtflowError(
             f"accel=artifacts cannot train this model: {by} failed to {what} ({root_reason(err)}). "
             "Use accel=ortmodule or accel=none for it."
@@ -368,10 +373,11 @@ class ArtifactsEngine:
         self.last_grad_norm = None
         if math.isfinite(mean):
             self.last_grad_norm = self._grad_norm()
-            with torch.profiler.record_function("ortflow::ort_optimizer_graph"):
-                self.optimizer.step()
-            self.steps += 1
-        self.module.lazy_reset_grad()  # a non-finite loss: its gradients are dropped, the weights stay
+            if math.isfinite(self.last_grad_norm):
+                with torch.profiler.record_function("ortflow::ort_optimizer_graph"):
+                    self.optimizer.step()
+                self.steps += 1
+        self.module.lazy_reset_grad()  # a non-finite loss or gradient: the gradients are dropped, the weights stay
         return mean
 
     def gradients(self, inputs: Inputs, targets: torch.Tensor) -> tuple[float, dict[str, np.ndarray]]:
@@ -423,9 +429,11 @@ class ArtifactsEngine:
         from onnxruntime.training import api
 
         tmp = self.onnx_dir / "checkpoint.saving"
-        api.CheckpointState.save_checkpoint(self.state, str(tmp), include_optimizer_state=True)
         try:
+            api.CheckpointState.save_checkpoint(self.state, str(tmp), include_optimizer_state=True)
             return {"format": "onnxruntime", "checkpoint": tmp.read_bytes(), "lr": self.optimizer.get_learning_rate()}
+        except RuntimeError as err:  # ORT's own write failed (a full disk): named as such, the partial file removed
+            raise as_write_failure(err, tmp) or err from None
         finally:
             tmp.unlink(missing_ok=True)
 

@@ -66,12 +66,14 @@ class Engine(Protocol):
     def train_step(self, inputs: Inputs, targets: torch.Tensor) -> float:
         """Forward, backward and optimizer step on one batch; returns the batch's mean loss.
 
-        A NaN or infinite loss leaves the weights and the optimizer untouched (the step is not applied)."""
+        A NaN or infinite loss, or gradients whose global norm is not finite (reported as `last_grad_norm`), leave the
+        weights and the optimizer untouched (the step is not applied); the loop then stops or skips the step."""
         ...
 
     # Optional, for trainer.accumulate_grad_batches > 1:
     #   train_micro(micro: list[(inputs, targets)]) -> float: one optimizer step over N micro-batches (the mean loss)
-    # Optional: last_grad_norm: float | None, the global gradient norm of the last step before clipping.
+    # Optional: last_grad_norm: float | None, the global gradient norm of the last step before clipping (NaN/inf: the
+    # step was not applied).
 
     def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
         """Loss and metric sums on one batch (Loss.sums), in eval mode, without touching the parameters."""

@@ -91,7 +91,8 @@ class EagerEngine:
     def train_micro(self, micro: Sequence[tuple[Inputs, torch.Tensor]]) -> float:
         """One optimizer step over the micro-batches: each one's loss / N is backpropagated (gradients add up to
         those of the mean loss over all of them), then the gradient norm (before clipping), clipping and the step.
-        Returns the mean loss; a non-finite one drops the step's gradients and applies nothing."""
+        Returns the mean loss; a non-finite one, or gradients of a non-finite norm (last_grad_norm), drop the step's
+        gradients and apply nothing."""
         self.module.train()
         losses = []
         for inputs, targets in micro:
@@ -105,8 +106,9 @@ class EagerEngine:
             (loss / len(micro)).backward()
         clip = self.grad_clip if self.grad_clip is not None else math.inf
         self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if math.isfinite(self.last_grad_norm):  # (with DDP the norm is of the all-reduced gradients: every rank agrees)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # non-finite gradients: dropped, nothing applied
         return sum(losses) / len(losses)
 
     @torch.no_grad()

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is not imported here: token-encoding worker processes import ortflow.data.encode only
+    import torch
     from torch.utils.data import DataLoader
 
 
@@ -41,3 +42,14 @@ class Data:
     tokenizer_object: Any = None
     eval_metrics: Callable[[dict[str, float]], dict[str, float]] | None = None
     run_files: dict[str, bytes] = field(default_factory=dict)
+
+
+def tensors_fingerprint(*tensors: "torch.Tensor") -> str:
+    """A content digest (16 hex digits) of in-memory tensors: small bundled data sets' fingerprint."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -8,7 +8,7 @@ from sklearn.datasets import load_diabetes
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 
-from ortflow.data import Data
+from ortflow.data import Data, tensors_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -50,4 +50,4 @@ def build_diabetes_data(batch_size: int, val_fraction: float, seed: int, num_wor
         "target_std": std,
         "mean_predictor_mse": baseline,
     }
-    return Data(train, val, info)
+    return Data(train, val, info, fingerprint=tensors_fingerprint(xt, yt, xv, yv))

@@ -7,7 +7,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 
-from ortflow.data import Data
+from ortflow.data import Data, tensors_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -36,4 +36,5 @@ def build_digits_data(batch_size: int, val_fraction: float, seed: int, num_worke
     )
     val = DataLoader(TensorDataset(x_val, y_val), batch_size, shuffle=False, num_workers=num_workers)
     log.info("digits: %d train / %d held-out images", len(x_tr), len(x_val))
-    return Data(train, val, {"source": "sklearn.load_digits", "train_images": len(x_tr), "val_images": len(x_val)})
+    info = {"source": "sklearn.load_digits", "train_images": len(x_tr), "val_images": len(x_val)}
+    return Data(train, val, info, fingerprint=tensors_fingerprint(x_tr, y_tr, x_val, y_val))

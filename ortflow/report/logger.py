@@ -1,10 +1,7 @@
 """Where a run reports: TensorBoard scalars/text under <run dir>/tensorboard, metrics.jsonl, and the progress bar
 (or plain lines) on the terminal."""
 
-import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -12,24 +9,10 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ortflow.config import LoggerConfig
+from ortflow.files import json_text
 from ortflow.report.terminal import console
 
 log = logging.getLogger(__name__)
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON through a temporary file and rename, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-        json.dump(payload, tmp, indent=2, default=str)
-    os.replace(tmp.name, path)
-
-
-def write_bytes_atomic(path: Path, content: bytes) -> None:
-    """Write a file through a temporary file and rename, so a reader never sees half of it."""
-    with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-        tmp.write(content)
-    os.replace(tmp.name, path)
 
 
 def _short(value: float) -> str:
@@ -60,7 +43,7 @@ class RunLogger:
         `writes=False` (ranks other than 0): log lines only, no files and nothing on the terminal."""
         self.points = (run_dir / "metrics.jsonl").open("a") if writes else None
         if writes and start_step:
-            self.points.write(json.dumps({"resumed_from_step": start_step}) + "\n")
+            self.points.write(json_text({"resumed_from_step": start_step}) + "\n")
         self.writer = None
         if writes and cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -97,7 +80,7 @@ class RunLogger:
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.points is not None:
-            self.points.write(json.dumps({"step": step, **values}) + "\n")
+            self.points.write(json_text({"step": step, **values}) + "\n")
             self.points.flush()
         if self.writer is not None:
             for tag, value in values.items():

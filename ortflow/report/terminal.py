@@ -82,6 +82,26 @@ class ConsoleHandler(logging.Handler):
             self.handleError(record)
 
 
+class LogFile(logging.FileHandler):
+    """The run's log file (ortflow.log). When the file system refuses a write (a full disk), the handler says so once
+    on stderr and stops writing, instead of printing logging's error block for every later record; the error that
+    stops the run names the file that could not be written."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            print(
+                f"ortflow: the log file {self.baseFilename} cannot be written ({error.strerror}); it stops here.",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.emit = lambda record: None  # type: ignore[method-assign]
+            with contextlib.suppress(OSError):  # closing flushes what the full disk refused
+                self.close()
+            return
+        super().handleError(record)
+
+
 def _log_lines(text: str, source: str) -> None:
     for line in text.splitlines():
         if line.strip():

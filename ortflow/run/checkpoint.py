@@ -9,7 +9,6 @@ position, the loop's counters, and the resolved config it was written with.
 
 import hashlib
 import logging
-import os
 import random
 import re
 from pathlib import Path
@@ -18,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ortflow.errors import OrtflowError
+from ortflow import files
+from ortflow.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -80,22 +80,12 @@ def seal(payload: dict[str, Any]) -> dict[str, Any]:
 
 def write_atomic(payload: dict[str, Any], path: Path) -> None:
     """torch.save through a temporary file in the same directory, fsync, then rename: the final name only ever
-    holds a complete file, whatever kills the process."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as file:
-            torch.save(payload, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    holds a complete file, whatever kills the process.
+
+    Raises:
+        RunDirError: the file system refused the write (e.g. the disk is full); no temporary file is left.
+    """
+    files.write_atomic(path, lambda file: torch.save(payload, file))
 
 
 def remove_partial_writes(directory: Path) -> None:
@@ -117,61 +107,65 @@ def load(path: Path) -> dict[str, Any]:
     """Read and check an ortflow checkpoint.
 
     Raises:
-        OrtflowError: the file is missing, unreadable, truncated or corrupt, or not an ortflow checkpoint.
+        CheckpointError: the file is missing, unreadable, truncated or corrupt, or not an ortflow checkpoint.
     """
     if not path.exists():
-        raise OrtflowError(
+        raise CheckpointError(
             f"checkpoint '{path}' does not exist. Give an existing checkpoint file or trainer.resume=auto."
         )
     if not path.is_file():
-        raise OrtflowError(f"checkpoint '{path}' is not a file (a checkpoint is one file, e.g. checkpoints/step-*.pt).")
+        raise CheckpointError(
+            f"checkpoint '{path}' is not a file (a checkpoint is one file, e.g. checkpoints/step-*.pt)."
+        )
     try:
         # weights_only: a checkpoint is data; loading one never runs code from the file.
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise OrtflowError(
+        if "weights_only" in reason:  # torch's advice to load unsafely: never for a file that fails a safe load
+            reason = "it holds objects a safe (weights-only) load refuses to rebuild"
+        raise CheckpointError(
             f"checkpoint '{path}' cannot be read: it is truncated, corrupt or not a torch checkpoint file ({reason}). "
             "Use another checkpoint (trainer.resume=auto picks the newest valid one in the run dir)."
         ) from None
     if isinstance(payload, dict) and payload.get("format") == FORMAT:
         if not isinstance(payload.get("version"), int) or payload["version"] > VERSION:
-            raise OrtflowError(
+            raise CheckpointError(
                 f"checkpoint '{path}' has format version {payload.get('version')!r}; this ortflow reads version "
                 f"{VERSION} and older. Use the ortflow version that wrote it."
             )
         missing = [key for key in REQUIRED if key not in payload]
         if missing:
-            raise OrtflowError(f"checkpoint '{path}' is incomplete: it lacks {missing}. Use another checkpoint.")
+            raise CheckpointError(f"checkpoint '{path}' is incomplete: it lacks {missing}. Use another checkpoint.")
         if payload.get("digest") != digest(_content(payload)):
-            raise OrtflowError(
+            raise CheckpointError(
                 f"checkpoint '{path}' is corrupt: its content does not match the checksum written with it (the file "
                 "changed after it was written). Use another checkpoint (trainer.resume=auto picks the newest valid)."
             )
         return payload
     if isinstance(payload, dict) and payload and all(isinstance(v, torch.Tensor) for v in payload.values()):
-        raise OrtflowError(
+        raise CheckpointError(
             f"checkpoint '{path}' holds model weights only (like checkpoints/final.pt), not a training checkpoint "
             "with optimizer, RNG and data position. Resume from a checkpoints/step-*.pt file."
         )
-    raise OrtflowError(f"checkpoint '{path}' is not an ortflow checkpoint (it holds a {type(payload).__name__}).")
+    raise CheckpointError(f"checkpoint '{path}' is not an ortflow checkpoint (it holds a {type(payload).__name__}).")
 
 
 def latest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint in `directory` that loads; None if there is none at all.
 
     Raises:
-        OrtflowError: there are checkpoints, but none of them is valid (each one is named with its problem).
+        CheckpointError: there are checkpoints, but none of them is valid (each one is named with its problem).
     """
     problems = []
     for _, path in step_checkpoints(directory):
         try:
             return path, load(path)
-        except OrtflowError as err:
+        except CheckpointError as err:
             log.warning("skipping %s: %s", path, err)
             problems.append(str(err))
     if problems:
-        raise OrtflowError(
+        raise CheckpointError(
             f"trainer.resume=auto: no checkpoint in '{directory}' is valid, so there is nothing safe to continue "
             f"from: {' '.join(problems)}"
         )

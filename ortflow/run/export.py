@@ -42,7 +42,7 @@ def input_names(count: int) -> list[str]:
 
 
 def inference_onnx(
-    model: nn.Module, weights: dict[str, torch.Tensor], data: Data, run_dir: Path, opset: int
+    model: nn.Module, weights: dict[str, torch.Tensor], data: Data, run_dir: Path, opset: int, tolerance: float = 1e-4
 ) -> dict[str, Any]:
     """Export `model` with `weights` to run_dir/model.onnx and check it against torch; the run.json record."""
     import onnxruntime
@@ -74,13 +74,29 @@ def inference_onnx(
             "are in checkpoints/final.pt; set export.onnx=false, or try another export.opset."
         ) from err
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    worst, sizes = 0.0, []
+    worst, scale, sizes = 0.0, 1.0, []
     for batch in (tensors, tuple(t[:1] for t in tensors)):
         with torch.no_grad():
-            expected = wrapped(*batch).numpy()
+            expected = wrapped(*batch).numpy()  # eval mode, as the exported graph: no dropout, running statistics
         (got,) = session.run(["output"], {n: t.numpy() for n, t in zip(names, batch, strict=True)})
         worst = max(worst, float(np.abs(got - expected).max()))
+        scale = max(scale, float(np.abs(expected).max()))
         sizes.append(int(batch[0].size(0)))
-    record = {"file": str(path), "opset": opset, "inputs": names, "max_abs_diff": worst, "batch_sizes_checked": sizes}
+    record = {
+        "file": str(path),
+        "opset": opset,
+        "inputs": names,
+        "max_abs_diff": worst,
+        "tolerance": tolerance * scale,
+        "batch_sizes_checked": sizes,
+    }
+    if not worst <= tolerance * scale:  # (a NaN difference fails too)
+        path.unlink(missing_ok=True)
+        raise OrtflowError(
+            f"export.onnx: the exported model.onnx gives outputs that differ from the trained torch model by "
+            f"{worst:.3g} on validation batches, more than export.tolerance={tolerance:g} x the outputs' scale "
+            f"({scale:.3g}); the file was removed rather than left to give wrong answers. The trained weights are in "
+            "checkpoints/final.pt. Try another export.opset, or report the model's layers that export differently."
+        )
     log.info("exported %s (opset %d); ONNX Runtime vs torch, max abs difference %.3g", path, opset, worst)
     return record

@@ -37,6 +37,7 @@ OWN_NAMES = (
     "ortflow.log",
     "run.json",
     "*.tmp",
+    ".*.tmp-*",  # an atomic write a killed process left (removed on resume)
     "metrics.jsonl",
     "tensorboard",
     "checkpoints",

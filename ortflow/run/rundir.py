@@ -16,8 +16,8 @@ from torch import nn
 from ortflow.accel.engine import Engine
 from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
-from ortflow.errors import OrtflowError
-from ortflow.report.logger import write_json_atomic
+from ortflow.errors import CheckpointError, RunDirError
+from ortflow.files import write_json_atomic
 from ortflow.run import checkpoint
 from ortflow.run.metadata import flatten, now, read_record, start_record
 from ortflow.run.trainer import LoopState
@@ -36,7 +36,16 @@ RUN_OUTPUTS = (
     "data_manifest.json",
 )
 # Settings that may change between a checkpoint and the run continuing it, without a warning.
-_MAY_CHANGE = ("trainer.resume", "trainer.max_steps", "trainer.checkpoint", "accel", "debug", "logger", "objective")
+_MAY_CHANGE = (
+    "trainer.resume",
+    "trainer.allow_data_change",
+    "trainer.max_steps",
+    "trainer.checkpoint",
+    "accel",
+    "debug",
+    "logger",
+    "objective",
+)
 
 
 def holds_a_run(run_dir: Path) -> bool:
@@ -93,7 +102,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 def load_weights(model: nn.Module, payload: dict[str, Any], path: Path, max_steps: int) -> None:
     """Put a checkpoint's weights into the torch model (before any engine is built around it)."""
     if payload["step"] > max_steps:
-        raise OrtflowError(
+        raise CheckpointError(
             f"checkpoint '{path}' is at step {payload['step']}, beyond trainer.max_steps={max_steps}; set "
             f"trainer.max_steps to at least {payload['step']}."
         )
@@ -101,10 +110,41 @@ def load_weights(model: nn.Module, payload: dict[str, Any], path: Path, max_step
         model.load_state_dict(payload["model"], strict=True)
     except (RuntimeError, TypeError, AttributeError) as err:
         details = "; ".join(line.strip() for line in str(err).splitlines()[1:4] if line.strip()) or str(err)
-        raise OrtflowError(
+        raise CheckpointError(
             f"checkpoint '{path}' does not fit this model ({details}). Use the model settings it was written with "
             "(they are in that run's .hydra/config.yaml)."
         ) from None
+
+
+def check_same_data(saved: dict[str, Any] | None, current: dict[str, Any], path: Path, allow_change: bool) -> None:
+    """Refuse to continue a checkpoint on other data: a tokenizer that differs always (the model's embeddings mean
+    other tokens), a data fingerprint that differs unless trainer.allow_data_change=true. A checkpoint or data
+    without a fingerprint is not checked (logged).
+
+    Raises:
+        CheckpointError: naming both fingerprints and the key that allows the change.
+    """
+    saved = saved or {}
+    old_tok, new_tok = saved.get("tokenizer"), current.get("tokenizer")
+    if old_tok is not None and new_tok is not None and old_tok != new_tok:
+        raise CheckpointError(
+            f"checkpoint '{path}' was trained with tokenizer {old_tok}, and this run's data is encoded with "
+            f"{new_tok}: the model's token ids would mean other text. Use the data.tokenizer it was trained with "
+            "(that run's .hydra/config.yaml), or start a new run."
+        )
+    old, new = saved.get("fingerprint"), current.get("fingerprint")
+    if old is None or new is None:
+        log.info("resume: the data's fingerprint is unknown (%s -> %s); the data is not compared", old, new)
+        return
+    if old != new:
+        if allow_change:
+            log.warning("resuming on changed data (fingerprint %s -> %s), as trainer.allow_data_change asks", old, new)
+            return
+        raise CheckpointError(
+            f"checkpoint '{path}' was trained on other data: the data's fingerprint was {old} and is now {new} (a "
+            "source file or a data setting changed). Continuing would train on different data than the run so far. "
+            "Restore the data, or set trainer.allow_data_change=true to continue on the new data."
+        )
 
 
 def _history(previous: dict[str, Any]) -> list[dict[str, Any]]:
@@ -168,12 +208,25 @@ class RunDir:
         make_engine: Callable[[nn.Module], Engine],
         batches: ResumableBatches,
         max_steps: int,
+        data_identity: dict[str, str | None] | None = None,
+        allow_data_change: bool = False,
     ) -> tuple[Engine, LoopState | None]:
         """The engine around `model` and the loop state to continue from (None for a fresh run): a resumed run gets
         the checkpoint's weights before the engine is built, then its optimizer state, data position, RNG states
-        and loop counters."""
+        and loop counters.
+
+        Args:
+            data_identity: the data's fingerprint and tokenizer (Data.fingerprint, Data.tokenizer), recorded in
+                run.json and every checkpoint; a resume on other data is refused (see check_same_data).
+
+        Raises:
+            CheckpointError: the checkpoint does not fit the model, or was written on other data.
+        """
+        self.data_identity = dict(data_identity or {})
+        self.record["data_identity"] = self.data_identity
         if self.source is not None:
             path, payload = self.source
+            check_same_data(payload.get("data_identity"), self.data_identity, path, allow_data_change)
             load_weights(model, payload, path, max_steps)
         engine = make_engine(model)
         self._engine, self._batches = engine, batches
@@ -227,12 +280,18 @@ class RunDir:
                 "data": self._batches.state_dict(),
                 "loop": dataclasses.asdict(state),
                 "config": self.config,
+                "data_identity": self.data_identity,
             }
         )
         checkpoint.write_atomic(payload, path)
         checkpoint.prune(self.checkpoints, self.keep)
         log.info("checkpoint %s", path)
         return str(path)
+
+    def release(self) -> None:
+        """Let go of the engine once the loop is over (no `save` after it), so that its native resources (ORT
+        sessions, DDP's reducer) can be freed before the process group is torn down."""
+        self._engine = self._batches = None
 
     def write_final(self, weights: dict[str, Any]) -> None:
         """The final weights alone, loadable with torch.load + model.load_state_dict (no ortflow needed)."""
@@ -245,6 +304,14 @@ class RunDir:
             checkpoint.write_atomic(weights, self.checkpoints / "best.pt")
 
     def finish(self, status: str, **fields: Any) -> None:
-        """Record how the run ended ("completed", "failed", "preempted") with the given fields."""
+        """Record how the run ended ("completed", "failed", "preempted") with the given fields. For a run that ends
+        with an error, a run.json that cannot be written (the disk that failed the run is full) is reported in the
+        log and does not hide that error; the run.json before stays as it was."""
         self.record |= {"status": status, "finished": now(), **fields}
-        self._write_record()
+        if status == "completed":
+            self._write_record()
+            return
+        try:
+            self._write_record()
+        except RunDirError as err:
+            log.error("run.json could not record that the run %s: %s", status, err)

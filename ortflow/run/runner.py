@@ -5,6 +5,7 @@ EngineContext; the run dir (checkpoints, run.json, resume) belongs to one RunDir
 """
 
 import logging
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,13 @@ from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.data.short_batches import ShortBatches
 from ortflow.distributed import World
-from ortflow.errors import ConfigError, OrtflowError, is_allocation_failure
+from ortflow.errors import ConfigError, DataError, OrtflowError, is_allocation_failure
+from ortflow.files import as_write_failure, write_bytes_atomic
 from ortflow.model import OUTPUT_KEY, select_output, sequence_first
 from ortflow.model.batch_dependence import BatchDependence
 from ortflow.model.contract import check_builder_result, check_model
 from ortflow.report import terminal
-from ortflow.report.logger import RunLogger, write_bytes_atomic
+from ortflow.report.logger import RunLogger
 from ortflow.run import checkpoint, export, pruning
 from ortflow.run.rundir import RunDir
 from ortflow.run.seeding import seed_everything
@@ -64,9 +66,31 @@ def build_data(cfg: DictConfig) -> Data:
             f"data._target_={cfg.data.get('_target_')} returned {type(data).__name__}, not an ortflow.data.Data "
             "(train and val DataLoaders yielding (inputs, targets) batches; see the README's data section)."
         )
+    _require_batches(cfg, data)
     if "vocab_size" in cfg.data and cfg.data.vocab_size is None and "vocab_size" in data.info:
         cfg.data.vocab_size = int(data.info["vocab_size"])  # the tokenizer's: model.vocab_size follows it
     return data
+
+
+def _batches(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:  # an iterable loader without a length: it is asked for batches as they come
+        return None
+
+
+def _require_batches(cfg: DictConfig, data: Data) -> None:
+    """A split that yields no batch (data.batch_size larger than the split, with full batches only) is refused
+    before the run starts, naming the sizes: training could not take a step, and an evaluation over no batch
+    would report a loss of 0."""
+    for split, loader in (("training", data.train), ("validation", data.val)):
+        if _batches(loader) == 0:
+            samples = len(loader.dataset) if hasattr(getattr(loader, "dataset", None), "__len__") else "too few"
+            raise DataError(
+                f"the {split} split yields no batch: it has {samples} samples and data.batch_size="
+                f"{OmegaConf.select(cfg, 'data.batch_size')} (training takes full batches only). Lower data.batch_size "
+                "(or give the split more data)."
+            )
 
 
 def _vocabulary(node: DictConfig, data: Data) -> None:
@@ -232,16 +256,25 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
             run.open(cfg.trainer.resume, cfg.trainer.checkpoint.keep, world)
             try:
                 metrics, results, model, data = _train(cfg, run, overrides, world)
-            except (MemoryError, RuntimeError) as err:
-                if not is_allocation_failure(err):
-                    raise
-                raise OrtflowError(_out_of_memory(cfg, err)) from err
+            except (MemoryError, RuntimeError, OSError) as err:
+                if is_allocation_failure(err):
+                    raise OrtflowError(_out_of_memory(cfg, err)) from err
+                # A write outside ortflow's own writers (TensorBoard, metrics.jsonl, ONNX Runtime's files).
+                if (failure := as_write_failure(err, run_dir)) is not None:
+                    raise failure from err
+                raise
+            distributed.settle()  # every rank past its last collective before any tears the group down
     except BaseException as err:
         status = {Preempted: "preempted", Interrupted: "interrupted", KeyboardInterrupt: "interrupted"}
         run.finish(status.get(type(err), "failed"), error=f"{type(err).__name__}: {err}")
+        if isinstance(err, (Preempted, Interrupted)):
+            # A clean stop (exit status 0 on preemption): its frames' locals (the engine) are of no use to a
+            # traceback, and cleared they let `stop` release the engine before the process group.
+            traceback.clear_frames(err.__traceback__)
         raise
     finally:
-        distributed.stop()
+        run.release()
+        distributed.stop()  # the engine's ORT sessions and DDP, then the process group: none left to shutdown
     run.finish("pruned" if results["ended_by"] == "pruned" else "completed", metrics=metrics, **results)
     execution = results["engine"]
     evals = ", ".join(f"{k.replace('/', ' ')} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))
@@ -276,6 +309,8 @@ def _train(
         lambda m: build_engine(cfg, m, data, run.path, world),
         batches,
         cfg.trainer.max_steps,
+        {"fingerprint": data.fingerprint, "tokenizer": data.tokenizer},
+        cfg.trainer.allow_data_change,
     )
     start = state.step if state else 0
     logger = RunLogger(
@@ -331,5 +366,5 @@ def _train(
         run.write_final(final)
     results["engine"] = execution
     if cfg.export.onnx and world.is_main:
-        results["export"] = export.inference_onnx(model, final, data, run.path, cfg.export.opset)
+        results["export"] = export.inference_onnx(model, final, data, run.path, cfg.export.opset, cfg.export.tolerance)
     return metrics, results, model, data

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ortflow.accel.engine import Engine
 from ortflow.config import OnNonFinite, OptimConfig, SchedulerConfig, StopMode, TrainerConfig
-from ortflow.errors import OrtflowError
+from ortflow.errors import OrtflowError, TrainingDiverged
 from ortflow.report.logger import RunLogger
 from ortflow.run.seeding import seed_step
 from ortflow.run.signals import Preempted, stop_on_sigterm
@@ -50,6 +50,7 @@ class LoopState:
     stopped_early_at: int = 0  # the step early stopping ended the run at (0: it did not)
     stopped_with_patience: int = 0
     pruned_at: int = 0  # the step a sweep's pruner stopped the run at (0: it did not)
+    initial_loss: float | None = None  # the first step's loss (the model as built): the divergence guard's reference
 
 
 def watched_metric(objective: str) -> tuple[str, bool]:
@@ -110,24 +111,65 @@ def _likely_causes(optim: OptimConfig, lr: float, trainer: TrainerConfig) -> str
     return ", ".join(causes)
 
 
-def _non_finite(loss: float, step: int, state: LoopState, trainer: TrainerConfig, causes: str) -> None:
+def _non_finite(
+    loss: float, grad_norm: float | None, step: int, state: LoopState, trainer: TrainerConfig, causes: str
+) -> None:
     """Stop, or count a skipped step. The engine has not applied the step's update either way."""
     state.skipped_steps += 1
     state.skipped_in_a_row += 1
+    what = (
+        f"The training loss became {loss}"
+        if not math.isfinite(loss)
+        else f"The gradients became non-finite (global norm {grad_norm}) while the loss was finite ({loss:.4g})"
+    )
     if trainer.on_nonfinite == OnNonFinite.stop:
-        raise OrtflowError(
-            f"The training loss became {loss} at step {step}; the run stopped there, before applying that step. "
-            f"The checkpoints written before it are kept. The likely causes are {causes}: lower optim.lr, raise "
-            "optim.eps or set trainer.grad_clip (e.g. 1.0), or check the data, then continue with "
-            "trainer.resume=auto; or set trainer.on_nonfinite=skip."
+        raise TrainingDiverged(
+            f"{what} at step {step}; the run stopped there, before applying that step. The checkpoints written "
+            f"before it are kept. The likely causes are {causes}: lower optim.lr, raise optim.eps or set "
+            "trainer.grad_clip (e.g. 1.0), or check the data, then continue with trainer.resume=auto; or set "
+            "trainer.on_nonfinite=skip."
         )
     if state.skipped_in_a_row > trainer.max_skipped_steps:
-        raise OrtflowError(
-            f"The training loss was NaN/inf for {state.skipped_in_a_row} steps in a row (up to step {step}), more "
-            f"than trainer.max_skipped_steps={trainer.max_skipped_steps}; the run stopped. The likely causes are "
-            f"{causes}: lower optim.lr or set trainer.grad_clip."
+        raise TrainingDiverged(
+            f"The training loss or gradients were NaN/inf for {state.skipped_in_a_row} steps in a row (up to step "
+            f"{step}), more than trainer.max_skipped_steps={trainer.max_skipped_steps}; the run stopped. The likely "
+            f"causes are {causes}: lower optim.lr or set trainer.grad_clip."
         )
-    log.warning("step %d: loss %s, update skipped (%d skipped so far)", step, loss, state.skipped_steps)
+    log.warning("step %d: %s, update skipped (%d skipped so far)", step, what[4:].lower(), state.skipped_steps)
+
+
+def _diverging(state: LoopState, step: int, trainer: TrainerConfig, causes: str) -> None:
+    """Stop a run whose training loss, averaged over a log window, rose above trainer.divergence_factor times its
+    first step's loss: the model is much worse than as it was built, the mark of a learning rate too high."""
+    factor, reference = trainer.divergence_factor, state.initial_loss
+    if factor is None or reference is None or not state.window_n or reference <= 0:
+        return
+    mean = state.window_loss / state.window_n
+    if mean > factor * reference:
+        raise TrainingDiverged(
+            f"The training loss is diverging: its mean over the steps up to {step} is {mean:.4g}, more than "
+            f"trainer.divergence_factor={factor:g} times its value at the first step ({reference:.4g}); the run "
+            f"stopped there, before writing a checkpoint of it. The likely causes are {causes}: lower optim.lr "
+            "(and keep warmup, scheduler.warmup_steps), or set trainer.grad_clip; trainer.divergence_factor=null "
+            "turns this guard off."
+        )
+
+
+def _non_finite_eval(evaluated: dict[str, float], step: int, trainer: TrainerConfig) -> bool:
+    """Whether an evaluation is usable; a NaN/inf eval metric stops the run (on_nonfinite=stop) or is recorded as
+    missing (skip): it never becomes the best evaluation, and run.json stores it as null."""
+    bad = {k: v for k, v in evaluated.items() if not math.isfinite(v)}
+    if not bad:
+        return False
+    if trainer.on_nonfinite == OnNonFinite.stop:
+        raise TrainingDiverged(
+            f"The evaluation at step {step} gave {bad}: the model's outputs are no longer finite on the validation "
+            "data. The run stopped before writing a checkpoint of this step; the checkpoints before it are kept. "
+            "Lower optim.lr or set trainer.grad_clip, then continue with trainer.resume=auto; or set "
+            "trainer.on_nonfinite=skip to go on (such evaluations are then recorded as missing)."
+        )
+    log.warning("step %d: evaluation gave %s; recorded as missing", step, bad)
+    return True
 
 
 def train_loop(
@@ -191,16 +233,20 @@ def train_loop(
             start = time.perf_counter()
             loss = engine.train_step(*micro[0]) if micro_count == 1 else engine.train_micro(micro)
             elapsed = time.perf_counter() - start
+            # An engine applies no update whose loss or gradient norm is not finite (Engine.train_step).
             grad_norm = getattr(engine, "last_grad_norm", None)
-            if grad_norm is not None and math.isfinite(loss):
-                state.window_grad_norm += grad_norm
-                state.window_grad_n += 1
+            finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
             state.step = step
-            if math.isfinite(loss):
+            if finite:
                 state.skipped_in_a_row = 0
                 state.window_loss, state.window_n = state.window_loss + loss, state.window_n + 1
+                if grad_norm is not None:
+                    state.window_grad_norm += grad_norm
+                    state.window_grad_n += 1
+                if state.initial_loss is None:
+                    state.initial_loss = loss
             else:
-                _non_finite(loss, step, state, trainer, _likely_causes(optim, lr, trainer))
+                _non_finite(loss, grad_norm, step, state, trainer, _likely_causes(optim, lr, trainer))
             if step == untimed:
                 state.first_step_s = elapsed
             else:
@@ -208,6 +254,7 @@ def train_loop(
                 state.samples += sum(batch_size(inputs) for inputs, _ in micro) * world_size
 
             if step % trainer.log_every == 0 or step == trainer.max_steps:
+                _diverging(state, step, trainer, _likely_causes(optim, lr, trainer))
                 point = {"train/lr": lr}
                 if state.window_n:
                     state.metrics["train/loss"] = state.window_loss / state.window_n
@@ -224,6 +271,7 @@ def train_loop(
             early_stop = False
             if (trainer.eval_every and step % trainer.eval_every == 0) or step == trainer.max_steps:
                 evaluated = evaluate(engine, val, trainer.eval_batches, eval_metrics)
+                _non_finite_eval(evaluated, step, trainer)
                 state.metrics.update(evaluated)
                 if _track_best(state, step, evaluated, watch) and on_best is not None:
                     on_best(state)
