@@ -194,6 +194,8 @@ class DistributedConfig:
     nnodes: int = ranged(1, Ge(1))  # machines; each runs the same command with its own node_rank
     node_rank: int = ranged(0, Ge(0))
     rdzv_endpoint: str = "127.0.0.1:29500"  # host:port of node 0, reachable from every node (multi-node)
+    # Multi-node: how long the nodes wait for each other at the start before the run fails (torchrun's rendezvous).
+    rdzv_timeout_s: int = ranged(300, Ge(1))
     timeout_s: int = ranged(
         60, Ge(1)
     )  # a collective waiting longer than this (a peer died) fails the rank with an error

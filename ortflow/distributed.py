@@ -69,6 +69,13 @@ def problems(cfg: DistributedConfig) -> list[str]:
         found.append(f"distributed={cfg.name} needs {cfg.name} in distributed.wrappers (e.g. [accel,{cfg.name}]).")
     if cfg.name == "none" and multi:
         found.append(f"distributed.wrappers has {multi[0]} but distributed=none; choose distributed={multi[0]}.")
+    cores = os.cpu_count() or 1
+    if cfg.nproc_per_node > cores:
+        found.append(
+            f"distributed.nproc_per_node={cfg.nproc_per_node} is more than this machine's {cores} CPU cores: ortflow "
+            f"trains on the CPU, one process per core at most (each with its own copy of the model); use at most "
+            f"distributed.nproc_per_node={cores}."
+        )
     if not cfg.node_rank < cfg.nnodes:
         found.append(f"distributed.node_rank={cfg.node_rank} must be in [0, distributed.nnodes={cfg.nnodes}).")
     if processes(cfg) > 1 and not multi:

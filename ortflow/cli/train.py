@@ -7,6 +7,7 @@ Single run: a user error prints one paragraph and exits with status 2. Multirun:
 
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -118,7 +119,10 @@ def _rank() -> str:
 
 def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], hydra_overrides: list[str], sweeping: bool) -> float:
     """Run this (validated) run or sweep job under torchrun; its rank 0 writes run.json, read back here."""
+    started = time.monotonic()
     status = launch.run_torchrun(cfg, run_dir, overrides, hydra_overrides)
+    if status and (reason := launch.rendezvous_timed_out(cfg, run_dir, time.monotonic() - started)):
+        print(f"ortflow: error: {reason}", file=sys.stderr, flush=True)
     if record := completed_before(run_dir, overrides):
         return record["metrics"][cfg.objective]
     if status == 0:  # this node ran no rank 0 (multi-node): rank 0's run dir, on node 0, holds the results
@@ -141,6 +145,9 @@ def main() -> None:
         sys.exit(2)
     try:
         _main()
+    except KeyboardInterrupt:  # a second Ctrl-C while the first one's stop was being recorded
+        print("ortflow: interrupted (Ctrl-C).", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
     finally:
         release_held()  # the dirs this command claimed (exiting releases them too; a caller in-process goes on)
 

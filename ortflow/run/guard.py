@@ -49,13 +49,17 @@ OWN_NAMES = (
 )
 
 
+# What ortflow writes into a run dir before anything else: a non-empty dir without one of them is not a run dir.
+MARKERS = (LOCK_FILE, ".hydra", "run.json", "ortflow.log")
+
+
 def foreign_entries(run_dir: Path) -> list[str]:
-    """The names in `run_dir` that ortflow does not write (sorted)."""
-    return sorted(
-        entry.name
-        for entry in run_dir.iterdir()
-        if not any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in OWN_NAMES)
-    )
+    """The names in `run_dir` that make it something else than an ortflow run dir (sorted): names ortflow does not
+    write, or, in a dir holding none of ortflow's first files, everything (a user's own onnx/ folder, say)."""
+    names = sorted(entry.name for entry in run_dir.iterdir())
+    if names and not any(name in MARKERS for name in names):
+        return names
+    return [name for name in names if not any(fnmatch.fnmatchcase(name, pattern) for pattern in OWN_NAMES)]
 
 
 def _make_dir(directory: Path, what: str) -> None:

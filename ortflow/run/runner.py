@@ -32,7 +32,7 @@ from ortflow.report.logger import RunLogger
 from ortflow.run import checkpoint, export, pruning
 from ortflow.run.rundir import RunDir
 from ortflow.run.seeding import seed_everything
-from ortflow.run.signals import Interrupted, Preempted, interrupt_on_signals
+from ortflow.run.signals import Interrupted, Preempted, interrupt_on_signals, uninterrupted
 from ortflow.run.trainer import fast_dev_run, train_loop
 from ortflow.step import loss
 from ortflow.step.batch import Inputs, split_batch
@@ -266,7 +266,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
             distributed.settle()  # every rank past its last collective before any tears the group down
     except BaseException as err:
         status = {Preempted: "preempted", Interrupted: "interrupted", KeyboardInterrupt: "interrupted"}
-        run.finish(status.get(type(err), "failed"), error=f"{type(err).__name__}: {err}")
+        with uninterrupted():
+            run.finish(status.get(type(err), "failed"), error=f"{type(err).__name__}: {err}")
         if isinstance(err, (Preempted, Interrupted)):
             # A clean stop (exit status 0 on preemption): its frames' locals (the engine) are of no use to a
             # traceback, and cleared they let `stop` release the engine before the process group.

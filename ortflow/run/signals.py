@@ -72,6 +72,8 @@ def interrupt_on_signals() -> Iterator[None]:
         return
 
     def handler(signum: int, _frame) -> None:
+        for sig in previous:  # a repeated Ctrl-C must not cut short the stop it started (the run's record)
+            signal.signal(sig, signal.SIG_IGN)
         raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -80,3 +82,21 @@ def interrupt_on_signals() -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """While inside (writing how a run ended), SIGINT and SIGTERM wait: a signal that arrives meanwhile is delivered
+    once the block is done, so run.json is never left half-updated by a second Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, _f: pending.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        for sig in pending[:1]:
+            signal.raise_signal(sig)

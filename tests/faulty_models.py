@@ -1,0 +1,38 @@
+"""Models that fail in the ways a guard must catch, each as a builder for model=custom."""
+
+import torch
+from torch import nn
+
+
+class InfiniteGradient(nn.Module):
+    """A bigram model whose logits are scaled by sqrt(gate), gate a parameter at 0: the loss is finite (all logits 0,
+    the loss is log(vocab)), but the gate's gradient is d sqrt(g)/dg at 0 = inf, so the global gradient norm is not
+    finite. An update applied with it would make every weight NaN."""
+
+    def __init__(self, vocab_size: int, width: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))
+        self.gate = nn.Parameter(torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.net(tokens) * torch.sqrt(self.gate)
+
+
+def build_infinite_gradient(vocab_size: int, width: int) -> nn.Module:
+    return InfiniteGradient(vocab_size, width)
+
+
+class NaNInEval(nn.Module):
+    """Trains normally; its evaluation outputs are NaN (an eval path that breaks, e.g. a bad running statistic)."""
+
+    def __init__(self, vocab_size: int, width: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.net(tokens)
+        return logits if self.training else logits * float("nan")
+
+
+def build_nan_in_eval(vocab_size: int, width: int) -> nn.Module:
+    return NaNInEval(vocab_size, width)
