@@ -22,7 +22,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.errors import HydraException
@@ -32,14 +31,12 @@ from torch import nn
 
 from ortflow import preflight
 from ortflow.config import register_configs
-from ortflow.errors import CheckpointError, ConfigError, RunDirError
+from ortflow.errors import ConfigError
 from ortflow.paths import config_dir as ortflow_config_dir
 from ortflow.report.summary import print_summary
 from ortflow.report.terminal import job_logging
 from ortflow.run.metadata import read_record
 from ortflow.validate import validate
-
-WEIGHTS = ("final", "best")
 
 
 @dataclass
@@ -181,11 +178,12 @@ def train(
     finally:
         lock.release()
     record = read_record(path) or {}
-    return RunResult(path, outcome.metrics, outcome.model.eval(), record, cfg, runner.tokenizer_of(outcome.data))
+    return RunResult(path, outcome.metrics, outcome.model.eval(), record, cfg, outcome.data.tokenizer_object)
 
 
 def load_run(run_dir: str | Path, weights: str = "final") -> RunResult:
-    """A finished (or interrupted) run, from its run dir: its config, metrics, record and model with its weights.
+    """A finished (or interrupted) run, from its run dir: its config, metrics, record, model with its weights, and
+    the tokenizer its text data was encoded with.
 
     Args:
         weights: "final" (checkpoints/final.pt, the run's last weights) or "best" (checkpoints/best.pt, the best
@@ -194,31 +192,11 @@ def load_run(run_dir: str | Path, weights: str = "final") -> RunResult:
     Raises:
         RunDirError: the directory holds no ortflow run.
         CheckpointError: the weights file is missing or does not fit the run's model.
-        DataError, ModelError: the run's data or model cannot be rebuilt here.
+        ConfigError, DataError, ModelError: the run's data or model cannot be rebuilt here.
     """
-    from ortflow.run import runner
+    from ortflow.run import reload
 
     path = Path(run_dir)
-    if weights not in WEIGHTS:
-        raise ConfigError(f"weights={weights!r}: choose one of {WEIGHTS}.")
-    record = read_record(path)
-    if not record or "config" not in record:
-        raise RunDirError(f"'{path}' holds no run.json with a config; give a run directory written by ortflow.")
-    cfg = OmegaConf.create(record["config"])
-    file = path / "checkpoints" / f"{weights}.pt"
-    if weights == "best" and not file.is_file():
-        file = path / "checkpoints" / "final.pt"  # a run without evaluations has no best.pt
-    if not file.is_file():
-        raise CheckpointError(
-            f"'{file}' does not exist: the run has not finished (status {record.get('status', '?')!r}); resume it, "
-            "or load the weights of a finished run."
-        )
-    data = runner.build_data(cfg)
-    model = runner.build_model(cfg, data)
-    try:
-        model.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
-    except Exception as err:  # a foreign, truncated or mismatched file
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"'{file}' cannot be loaded into the run's model ({reason}).") from None
-    metrics = dict(record.get("metrics", {}))
-    return RunResult(path, metrics, model.eval(), record, cfg, runner.tokenizer_of(data), weights)
+    cfg, data, model, _ = reload.rebuild(path, weights)
+    record = read_record(path) or {}
+    return RunResult(path, dict(record.get("metrics", {})), model, record, cfg, data.tokenizer_object, weights)

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 import ortflow
 from ortflow.run.lock import LOCK_FILE, RunDirLock
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY
 
 QUICK = ["+recipe=digits", "trainer.max_steps=20", "trainer.eval_every=10", "logger.progress=false"]
 
@@ -223,3 +223,17 @@ def test_the_example_notebook_runs(tmp_path):
     assert "optim.lr=-1.0: must be > 0" in outputs
     assert len(list((tmp_path / "outputs").rglob("run.json"))) == 2
     assert Path(REPO / "examples" / "quickstart.ipynb").read_text().count('"outputs": []') > 0  # committed clean
+
+
+def test_a_text_run_returns_its_tokenizer_and_load_run_rebuilds_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["+recipe=transformer", *TINY[:5], "trainer.max_steps=2", "logger.progress=false"]
+    args += ["data.tokenizer=bpe", "data.bpe_vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}"]
+    trained = ortflow.train(args, run_dir=tmp_path / "run")
+    loaded = ortflow.load_run(tmp_path / "run")
+    text = "The tokenizer the run trained with."
+    for result in (trained, loaded):
+        assert result.tokenizer.decode(result.tokenizer.encode(text)) == text
+    assert loaded.tokenizer.encode(text) == trained.tokenizer.encode(text)
+    assert len(trained.tokenizer.encode(text)) < len(text.encode())  # BPE tokens, not bytes
+    assert trained.model.embedding.num_embeddings == 300  # the model followed the tokenizer's vocabulary

@@ -27,7 +27,6 @@ finished and `--resume FILE` runs only the rest. Other libraries' notices go to 
 import argparse
 import contextlib
 import json
-import logging
 import os
 import platform
 import signal
@@ -35,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -384,35 +382,15 @@ def _stop_on_signals() -> Iterator[None]:
         restore()
 
 
-@contextlib.contextmanager
-def _log_to(log: Path) -> Iterator[None]:
-    """Inside: this process's log records and other libraries' warnings go to `log` only (the workers write their
-    output there too); afterwards, logging and warnings' display are as they were."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    root = logging.getLogger()
-    handler = logging.FileHandler(log)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
-    level, showwarning = root.level, warnings.showwarning
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    logging.captureWarnings(True)
-    try:
-        terminal.quiet_import("torch.utils.cpp_extension")  # its CUDA_HOME notice; `import onnxruntime` imports it
-        yield
-    finally:
-        if warnings.showwarning is not showwarning:
-            logging.captureWarnings(False)
-        root.removeHandler(handler)
-        root.setLevel(level)
-        handler.close()
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     stamp = f"{datetime.now():%Y-%m-%d_%H-%M-%S}"
     out = args.resume or args.out or Path("outputs") / "bench" / f"{'profile-' if args.profile else ''}{stamp}.json"
     console = Console(width=None if sys.stdout.isatty() else 140, highlight=False, soft_wrap=True)  # paths whole
-    with _log_to(out.with_suffix(".log")):
+    # This process's log records and other libraries' notices go to the log beside the JSON (the measurement processes
+    # write their output there too), not to the terminal.
+    with terminal.job_logging(out.with_suffix(".log")):
+        terminal.quiet_import("torch.utils.cpp_extension")  # its CUDA_HOME notice; `import onnxruntime` imports it
         record = None
         if args.resume:
             record = read_record(args.resume)

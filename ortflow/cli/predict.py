@@ -16,75 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ortflow.errors import OrtflowError
-from ortflow.run.metadata import read_record
+from ortflow.run.reload import TEXT_BUILDER, rebuild
 from ortflow.step import loss
 from ortflow.step.batch import layout_of, split_batch
 from ortflow.step.loss import EvalResult
-
-TEXT_BUILDER = "ortflow.data.text.build_text_data"
-TOKENIZER_FILE, RUN_MANIFEST = "tokenizer.json", "data_manifest.json"  # what a text run's dir keeps (runner.py)
-
-
-def load_run(run_dir: Path, weights: str, text: Path | None) -> tuple[DictConfig, Any, nn.Module, Path]:
-    """The run's config, data (its own, or `text` for a text run), and model with the chosen weights."""
-    from ortflow.run.runner import build_data, build_model
-
-    record = read_record(run_dir)
-    if not record or "config" not in record:
-        raise OrtflowError(f"{run_dir} holds no run.json with a config; give a run directory written by ortflow.")
-    cfg = OmegaConf.create(record["config"])
-    if text is not None and cfg.data.get("_target_") != TEXT_BUILDER:
-        raise OrtflowError(f"--text: the run in {run_dir} was not trained on text (data={cfg.data._target_}).")
-    if cfg.data.get("_target_") == TEXT_BUILDER:
-        use_run_tokenizer(cfg, run_dir, record, text)
-    path = run_dir / "checkpoints" / f"{weights}.pt"
-    if weights == "best" and not path.is_file():
-        path = run_dir / "checkpoints" / "final.pt"  # a run without evaluations has no best.pt
-    if not path.is_file():
-        raise OrtflowError(f"{path} does not exist: the run did not finish (resume it, or use --weights final).")
-    data = build_data(cfg)
-    if cfg.data.get("_target_") == TEXT_BUILDER:
-        check_tokenizer(data, run_dir)
-    model = build_model(cfg, data)
-    try:
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    except (RuntimeError, ValueError, OSError) as err:
-        raise OrtflowError(f"{path} cannot be loaded into the run's model ({str(err).splitlines()[0]}).") from None
-    return cfg, data, model.eval(), path
-
-
-def use_run_tokenizer(cfg: DictConfig, run_dir: Path, record: dict[str, Any], text: Path | None) -> None:
-    """Point the run's text config at the run's own tokenizer: for --text, the tokenizer file the run dir keeps
-    (the byte tokenizer when it keeps none); for the run's validation split, the prepared folder it trained on
-    when it still exists, else its source prepared again with that tokenizer file."""
-    tokenizer = run_dir / TOKENIZER_FILE
-    if text is not None:
-        cfg.data.source = str(text)
-        cfg.data.tokenizer = str(tokenizer) if tokenizer.is_file() else "bytes"
-        return
-    prepared = (record.get("data") or {}).get("prepared")
-    if prepared and (Path(prepared) / "manifest.json").is_file():
-        cfg.data.source = prepared
-    elif tokenizer.is_file():
-        cfg.data.tokenizer = str(tokenizer)
-
-
-def check_tokenizer(data: Any, run_dir: Path) -> None:
-    """Refuse data encoded with another tokenizer than the run's (its manifest in the run dir says which)."""
-    manifest = run_dir / RUN_MANIFEST
-    if not manifest.is_file():
-        return  # a run from before token files: bytes
-    tokenizer = json.loads(manifest.read_text())["tokenizer"]
-    expected = "bytes" if tokenizer["kind"] == "bytes" else "sha256:" + tokenizer["sha256"][:16]
-    if data.tokenizer != expected:
-        raise OrtflowError(
-            f"the data was encoded with tokenizer {data.tokenizer}, but the run in {run_dir} was trained with "
-            f"{expected} ({manifest}); its token ids would mean other text."
-        )
 
 
 @torch.no_grad()
@@ -127,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="also write the metrics to this JSON file")
     args = parser.parse_args(argv)
     try:
-        cfg, data, model, path = load_run(args.run_dir, args.weights, args.text)
+        cfg, data, model, path = rebuild(args.run_dir, args.weights, args.text)
         if args.prompt is not None:
             if cfg.data.get("_target_") != TEXT_BUILDER:
                 raise OrtflowError("--prompt samples from a language model; this run was not trained on text.")

@@ -226,11 +226,6 @@ class TrainOutcome:
     data: Data
 
 
-def tokenizer_of(data: Data) -> Any:
-    """The tokenizer text data was encoded with, for encoding prompts and decoding outputs (None for other data)."""
-    return getattr(data, "tokenizer_object", None)
-
-
 def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> TrainOutcome:
     """Train as `cfg` says, writing everything under `run_dir`; return the final metrics, model and data.
 
