@@ -81,7 +81,7 @@ class TextDataConfig:
     _target_: str = "ortflow.data.text.build_text_data"
     # `python_docs` (embedded corpus), a text file, a folder of text files, a .jsonl or .parquet file, a dataset saved
     # with Hugging Face datasets.save_to_disk, or a folder ortflow-prepare wrote. Raw text is prepared once into the
-    # token cache (ortflow/data/prepare.py) and streamed from disk.
+    # token cache (ortflow/data/tokens/prepare.py) and streamed from disk.
     source: str = "python_docs"
     # bytes (vocabulary 256) | bpe (trained on the corpus) | a tokenizer.json path | a model in the local HF cache
     tokenizer: str = "bytes"

@@ -170,7 +170,7 @@ def gather(value: object) -> list:
 
 def shard(loader: DataLoader, world: World, seed: int) -> DataLoader:
     """The same training data, each rank reading its own 1/world.size of every epoch (DistributedSampler). A source
-    that shards itself (`shard(rank, world_size)`, e.g. ortflow.data.blocks.RandomBlocks) is asked to."""
+    that shards itself (`shard(rank, world_size)`, e.g. ortflow.data.tokens.blocks.RandomBlocks) is asked to."""
     if hasattr(loader, "shard"):
         return loader.shard(world.rank, world.size)
     sampler = DistributedSampler(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ortflow.data.prepare import PrepareSettings, prepare
+from ortflow.data.tokens.prepare import PrepareSettings, prepare
 from ortflow.run import checkpoint
 from tests.conftest import TESTS, TINY, run_cli
 

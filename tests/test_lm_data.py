@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from ortflow.data import prepare as prep
-from ortflow.data.blocks import RandomBlocks
-from ortflow.data.prepare import PrepareSettings, open_or_prepare, prepare
-from ortflow.data.sources import embedded_corpus
-from ortflow.data.store import MANIFEST, TokenStore, fingerprint
 from ortflow.data.text import build_text_data
-from ortflow.data.tokenizer import SEPARATOR, HFTokenizer, token_dtype, train_bpe
+from ortflow.data.tokens import prepare as prep
+from ortflow.data.tokens.blocks import RandomBlocks
+from ortflow.data.tokens.prepare import PrepareSettings, open_or_prepare, prepare
+from ortflow.data.tokens.sources import embedded_corpus
+from ortflow.data.tokens.store import MANIFEST, TokenStore, fingerprint
+from ortflow.data.tokens.tokenizer import SEPARATOR, HFTokenizer, token_dtype, train_bpe
 from ortflow.errors import DataError
 from tests.conftest import REPO
 
@@ -140,7 +140,7 @@ def test_ortflows_word_by_word_encoding_equals_the_tokenizers_own(tmp_path):
     text = embedded_corpus().decode()[:200_000] + "".join(DOCS) + " <|endoftext|> in the text stays text"
     tokenizer = train_bpe([text[:100_000]], 1000)
     # the reference: Hugging Face tokenizers encoding the text whole
-    from ortflow.data import encode
+    from ortflow.data.tokens import encode
 
     chunk = [(text.encode(), False)]
     words = encode.make_encoder("bpe", tokenizer.json, 0, "uint16")(chunk)
@@ -263,7 +263,7 @@ def test_an_exception_mid_write_leaves_nothing_that_looks_complete(folder, tmp_p
 KILLED = """
 import sys, time
 from pathlib import Path
-from ortflow.data import prepare as prep
+from ortflow.data.tokens import prepare as prep
 
 def slow(file, tokens):
     file.write(tokens.tobytes())

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ortflow.cli import predict
-from ortflow.data.store import MANIFEST
+from ortflow.data.tokens.store import MANIFEST
 from tests.conftest import TINY
 
 

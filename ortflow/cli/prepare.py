@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
-        from ortflow.data.prepare import PrepareSettings, open_or_prepare
+        from ortflow.data.tokens.prepare import PrepareSettings, open_or_prepare
 
         cfg = _compose(args.overrides)
         settings = PrepareSettings.from_config(OmegaConf.to_container(cfg.data, resolve=True))

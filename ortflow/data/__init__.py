@@ -4,7 +4,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch is not imported here: token-encoding worker processes import ortflow.data.encode only
+if TYPE_CHECKING:  # torch is not imported here: token-encoding worker processes import ortflow.data.tokens.encode only
     import torch
     from torch.utils.data import DataLoader
 
@@ -15,8 +15,8 @@ class Data:
 
     Attributes:
         train: yields (inputs, targets) batches; full batches only, reshuffled each epoch. A stateful source
-            (with state_dict/load_state_dict, e.g. ortflow.data.blocks.RandomBlocks) keeps its own position, which
-            checkpoints save; one with `shard(rank, world_size)` shards itself across DDP ranks.
+            (with state_dict/load_state_dict, e.g. ortflow.data.tokens.blocks.RandomBlocks) keeps its own position,
+            which checkpoints save; one with `shard(rank, world_size)` shards itself across DDP ranks.
         val: yields (inputs, targets) batches in a fixed order; the last batch may be smaller.
         info: facts worth logging (sizes, the unigram entropy a language model must beat, ...).
         batch_first: whether the model takes the batches as they come, (B, T, ...); False: the model is

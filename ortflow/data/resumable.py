@@ -15,7 +15,7 @@ class ResumableBatches:
     and skips the batches already taken: the next batch is the one an uninterrupted run would get. Without a
     generator on the loader (a DataLoader built with no `generator=`) the order after a resume is not reproduced.
 
-    A stateful source (one with `state_dict`/`load_state_dict`, e.g. ortflow.data.blocks.RandomBlocks) keeps its
+    A stateful source (one with `state_dict`/`load_state_dict`, e.g. ortflow.data.tokens.blocks.RandomBlocks) keeps its
     own position: its batches are passed through and its state is what a checkpoint saves.
     """
 

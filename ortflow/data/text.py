@@ -2,9 +2,9 @@
 
 `data.source` is raw text (the embedded corpus, a file, a folder, JSON lines, parquet, a saved Hugging Face
 dataset) or a folder `ortflow-prepare` wrote. Raw text is prepared once into the token cache
-(ortflow/data/prepare.py) and reused; the embedded corpus with the byte tokenizer (the default) is tokenized in
+(ortflow/data/tokens/prepare.py) and reused; the embedded corpus with the byte tokenizer (the default) is tokenized in
 memory instead, so the default run writes nothing outside its run dir. Training draws random blocks from the train
-split through np.memmap (ortflow/data/blocks.py: memory independent of the corpus' size, the position saved in
+split through np.memmap (ortflow/data/tokens/blocks.py: memory independent of the corpus' size, the position saved in
 checkpoints); evaluation reads a fixed set of windows of the validation split.
 """
 
@@ -16,11 +16,11 @@ from collections import Counter
 from torch.utils.data import DataLoader
 
 from ortflow.data import Data
-from ortflow.data.blocks import RandomBlocks, Windows
-from ortflow.data.prepare import PrepareSettings, open_or_prepare
-from ortflow.data.sources import EMBEDDED
-from ortflow.data.store import TokenStore
-from ortflow.data.tokenizer import BYTES
+from ortflow.data.tokens.blocks import RandomBlocks, Windows
+from ortflow.data.tokens.prepare import PrepareSettings, open_or_prepare
+from ortflow.data.tokens.sources import EMBEDDED
+from ortflow.data.tokens.store import TokenStore
+from ortflow.data.tokens.tokenizer import BYTES
 from ortflow.errors import DataError
 
 log = logging.getLogger(__name__)

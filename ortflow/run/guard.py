@@ -50,7 +50,7 @@ OWN_NAMES = (
 
 
 # What ortflow writes into a run dir before anything else: a non-empty dir without one of them is not a run dir.
-MARKERS = (LOCK_FILE, ".hydra", "run.json", "ortflow.log")
+MARKERS = (LOCK_FILE, ".hydra", "run.json", "ortflow.log", "checkpoints")
 
 
 def foreign_entries(run_dir: Path) -> list[str]:

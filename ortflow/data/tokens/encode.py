@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from ortflow.data.tokenizer import SPLIT_PATTERN
+from ortflow.data.tokens.tokenizer import SPLIT_PATTERN
 
 Segment = tuple[bytes, bool]  # (text, a separator comes before it)
 Chunk = list[Segment]

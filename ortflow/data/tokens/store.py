@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ortflow.data.tokenizer import BYTES, ByteTokenizer, HFTokenizer, Tokenizer
+from ortflow.data.tokens.tokenizer import BYTES, ByteTokenizer, HFTokenizer, Tokenizer
 from ortflow.errors import DataError
 
 FORMAT, VERSION = "ortflow-tokens", 1

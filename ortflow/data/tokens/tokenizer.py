@@ -9,7 +9,7 @@
 
 ortflow's own BPE splits text into words with one plain regex (SPLIT_PATTERN, ASCII classes only, so Python's `re`
 and the Rust tokenizer split identically) before the byte-level merges. That lets the prepare step encode each
-distinct word once and reuse it (ortflow/data/encode.py: 3-4x the throughput of encoding whole texts with
+distinct word once and reuse it (ortflow/data/tokens/encode.py: 3-4x the throughput of encoding whole texts with
 `tokenizers`), while the saved tokenizer.json encodes a prompt exactly as the corpus was encoded.
 """
 

@@ -1,4 +1,4 @@
-"""Prepare once, stream from disk: raw text in, a fingerprinted token store out (ortflow/data/store.py).
+"""Prepare once, stream from disk: raw text in, a fingerprinted token store out (ortflow/data/tokens/store.py).
 
 `prepare(settings)` reads the sources, builds the tokenizer (trains a BPE on a bounded, evenly spread sample of the
 corpus), encodes the corpus in chunks on `data.num_proc` processes, holds out the last `data.val_fraction` of its
@@ -32,9 +32,9 @@ from typing import Any, BinaryIO
 import numpy as np
 
 import ortflow
-from ortflow.data import encode, sources
-from ortflow.data.store import FORMAT, MANIFEST, TOKENIZER_FILE, VERSION, TokenArray, TokenStore, fingerprint
-from ortflow.data.tokenizer import BYTES, ByteTokenizer, HFTokenizer, Tokenizer, choose, token_dtype, train_bpe
+from ortflow.data.tokens import encode, sources
+from ortflow.data.tokens.store import FORMAT, MANIFEST, TOKENIZER_FILE, VERSION, TokenArray, TokenStore, fingerprint
+from ortflow.data.tokens.tokenizer import BYTES, ByteTokenizer, HFTokenizer, Tokenizer, choose, token_dtype, train_bpe
 from ortflow.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,8 @@ def _encoded_chunks(
         return
     import multiprocessing
 
-    # spawn: the workers import only ortflow.data.encode (no torch), and no lock or thread of this process leaks in.
+    # spawn: the workers import only ortflow.data.tokens.encode (no torch), and no lock or thread of this process
+    # leaks in.
     with multiprocessing.get_context("spawn").Pool(num_proc, encode.init_worker, args) as pool:
         pending: deque = deque()
         for chunk in chunks:

@@ -1,5 +1,5 @@
 """Training batches as random blocks of a token file, with a position a checkpoint saves; validation as a fixed
-set of windows. Blocks are read from the file row by row (ortflow/data/store.py: TokenArray.rows), so memory does
+set of windows. Blocks are read from the file row by row (ortflow/data/tokens/store.py: TokenArray.rows), so memory does
 not depend on the corpus' size.
 
 Batch n of a run is a pure function of (seed, n): its generator is seeded from both, so the position is a single
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from ortflow.data.store import TokenArray
+from ortflow.data.tokens.store import TokenArray
 from ortflow.errors import CheckpointError, DataError
 
 KIND = "random_blocks"
