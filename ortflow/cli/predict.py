@@ -12,6 +12,7 @@ import argparse
 import itertools
 import json
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from ortflow.errors import OrtflowError
+from ortflow.report import terminal
 from ortflow.run.reload import TEXT_BUILDER, rebuild
 from ortflow.step import loss
 from ortflow.step.batch import layout_of, split_batch
@@ -64,6 +66,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the metrics to this JSON file")
     args = parser.parse_args(argv)
+    # Other libraries' notices (torch, transformers) go to a log file, as a run's go to its ortflow.log.
+    log_file = Path("outputs") / "predict" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.log"
+    with terminal.job_logging(log_file):
+        _predict(args)
+
+
+def _predict(args: argparse.Namespace) -> None:
     try:
         cfg, data, model, path = rebuild(args.run_dir, args.weights, args.text)
         if args.prompt is not None:

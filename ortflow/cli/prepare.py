@@ -10,12 +10,14 @@ paragraph for a bad source, tokenizer or disk, nothing prepared before lost.
 """
 
 import argparse
-import logging
 import sys
+from datetime import datetime
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from ortflow.errors import OrtflowError
+from ortflow.report import terminal
 
 
 def _compose(overrides: list[str]):
@@ -47,7 +49,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ortflow-prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="data.source=... data.tokenizer=... (as for `ortflow`)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    # ortflow's warnings on the terminal; other libraries' notices (pyarrow, datasets, tokenizers) in a log file.
+    log_file = Path("outputs") / "prepare" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.log"
+    with terminal.job_logging(log_file):
+        _prepare(args)
+
+
+def _prepare(args: argparse.Namespace) -> None:
     try:
         from ortflow.data.tokens.prepare import PrepareSettings, open_or_prepare
 
