@@ -15,6 +15,7 @@ TAGS = {
     "perf/samples_per_sec",
     "eval/loss",
     "eval/accuracy",
+    "eval/bits_per_byte",  # text data: the eval loss in bits per byte of the validation text
     "engine/ort_executed",
 }
 
