@@ -1,6 +1,7 @@
 """Loss parity eager vs ortmodule vs artifacts, proof that ORT executed, padding, the artifacts round trip."""
 
 import itertools
+import logging
 import math
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def test_eval_with_a_partial_last_batch_matches_eager_and_keeps_training_in_ort(
 
 
 @pytest.mark.slow
-def test_ortmodule_fallback_fail_stops_and_warn_records_pytorch(tmp_path, batches):
+def test_ortmodule_fallback_fail_stops_and_warn_records_pytorch(tmp_path, batches, caplog):
     from ortflow.errors import OrtflowError
 
     class Unexportable(torch.nn.Module):
@@ -128,8 +129,11 @@ def test_ortmodule_fallback_fail_stops_and_warn_records_pytorch(tmp_path, batche
             with pytest.raises(OrtflowError, match=r"cannot be exported.*accel\.fallback=warn"):
                 engine.train_step(x, y)
         else:
-            engine.train_step(x, y)
+            with caplog.at_level(logging.WARNING, logger="ortflow"):
+                engine.train_step(x, y)
             assert engine.describe()["executed_by"] == "pytorch"
+            warned = " ".join(r.getMessage() for r in caplog.records if "did not execute" in r.getMessage())
+            assert "accel.fallback=fail stops" in warned and "Set accel.fallback=warn" not in warned
 
 
 @pytest.mark.slow

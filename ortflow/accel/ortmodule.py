@@ -192,11 +192,14 @@ class ORTModuleEngine:
     def _not_in_ort(self, what: str) -> None:
         message = (
             f"ORTModule did not execute the {what} in ONNX Runtime (PyTorch ran it instead). The log above "
-            "shows ORT's reason. Set accel.fallback=warn to allow PyTorch fallback, or accel=none."
+            "shows ORT's reason. "
         )
         if self.fallback == Fallback.fail:
-            raise OrtflowError(message)
-        log.warning(message)
+            raise OrtflowError(message + "Set accel.fallback=warn to allow PyTorch fallback, or use accel=none.")
+        log.warning(
+            message + "accel.fallback=warn lets the run go on; run.json's engine counts the steps PyTorch ran "
+            "(torch_fallback_train_steps); accel.fallback=fail stops the run instead."
+        )
 
     @property
     def last_grad_norm(self) -> float | None:
