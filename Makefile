@@ -13,7 +13,7 @@ TORCHVISION = 0.$(shell echo $$(( $(word 2,$(subst ., ,$(TORCH))) + 15 ))).*
 VENV ?= .venv
 # What test-range runs on the other end: every engine, parity, resume, custom-Function and distributed test.
 RANGE_TESTS ?= tests/test_compat.py tests/test_engines.py tests/test_zoo.py tests/test_resume.py \
-	tests/test_distributed.py tests/test_graph_fixes.py tests/test_features.py tests/test_vision_engines.py \
+	tests/test_distributed.py tests/test_graph_fixes.py tests/test_features.py tests/test_vision_engines.py tests/test_aten_layer_norm.py \
 	tests/test_hf.py tests/test_lm_runs.py tests/test_batch_dependence.py tests/test_reliability.py
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ortflow-installed

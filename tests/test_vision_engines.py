@@ -395,6 +395,38 @@ def test_aten_convolutions_train_in_ortmodule_with_parity(build, tmp_path):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(native_losses), rtol=RTOL["ortmodule"], atol=0)
 
 
+def frozen_backbone() -> nn.Module:
+    """Transfer learning's shape: convolutions frozen, a new head trained."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, CLASSES),
+    )
+    model[0].requires_grad_(False)
+    model[2].requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+def test_frozen_aten_convolutions_train_the_rest_with_parity(kind, tmp_path):
+    """ORTModule asks its gradient graph for every parameter's gradient, frozen ones too: the ATen convolutions must
+    compute them (a frozen convolution once failed there with 'Only tensor type OrtValues are supported')."""
+    batches = images()
+    _, engine, expected, got = train_both(kind, frozen_backbone, batches, tmp_path, aten_conv=True)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
+    assert_ort_trained(engine, STEPS)
+    assert engine.describe()["graph_fixes"]["convolutions_run_by_torch"] == 2
+    state, start = engine.model_state_dict(), frozen_backbone().state_dict()
+    for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
+        assert torch.equal(state[name], start[name]), name
+    assert not torch.equal(state["6.weight"], start["6.weight"])
+
+
 class ConvBnDropout(nn.Module):
     """BatchNorm after a dropout: the statistics are those of the dropped activations, so the engine's masks must be
     the ones its statistics saw. padding="same" convolutions (aten::_convolution_mode)."""

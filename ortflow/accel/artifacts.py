@@ -21,7 +21,7 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import aten_conv, batchnorm, compat, symbolics
+from ortflow.accel import aten_conv, aten_layer_norm, aten_nodes, batchnorm, compat, symbolics
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.none import debug_problems
 from ortflow.accel.rewrites import MaskSampler, Rewrites, prepare_training_graph
@@ -67,6 +67,9 @@ class Settings:
     # convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-waiting is then off whatever
     # allow_spinning says: spinning ORT threads would compete with torch's.
     aten_conv: bool = True
+    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_layer_norm.py): ORT's CPU
+    # LayerNormalizationGrad was ~10x torch's kernel. Spin-waiting is then off too.
+    aten_layer_norm: bool = True
 
     def rewrites(self) -> Rewrites:
         return Rewrites(
@@ -228,21 +231,26 @@ class ArtifactsEngine:
             compat.quiet_export(),
             _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export"),
             training_forward_probe(model),  # the export traces one training forward: its BatchNorm update is undone
-            symbolics.ort_export(accel.opset, accel.aten_conv),
+            symbolics.ort_export(accel.opset, accel.aten_conv, accel.aten_layer_norm),
         ):
             compat.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
         forward = onnx.load(str(forward_path))
-        # Convolutions as ATen nodes (accel.aten_conv, transposed ones always): torch runs them inside ORT.
-        self.aten_convs = aten_conv.count(forward)
-        if self.aten_convs:
+        # Convolutions (accel.aten_conv, transposed ones always) and LayerNorms (accel.aten_layer_norm) as ATen
+        # nodes: torch runs them inside ORT.
+        self.aten_convs, aten_layer_norms = aten_conv.count(forward), aten_layer_norm.count(forward)
+        self.aten_nodes = self.aten_convs + aten_layer_norms
+        if self.aten_nodes:
             compat.load_aten_executor()
             aten_conv.register_gradient()
+            aten_layer_norm.register_gradient()
             trainable = {_PREFIX + n for n, p in model.named_parameters() if p.requires_grad}
-            aten_conv.set_gradient_masks(forward, trainable)
+            aten_nodes.set_gradient_masks(forward, trainable)
         example_feeds = {name: t.numpy() for name, t in zip(names, args, strict=True)}
         self.graph_fixes, self.masks = prepare_training_graph(forward, accel.rewrites(), example_feeds)
         if self.aten_convs:
             self.graph_fixes["convolutions_run_by_torch"] = self.aten_convs
+        if aten_layer_norms:
+            self.graph_fixes["layer_norms_run_by_torch"] = aten_layer_norms
         self.sampler = MaskSampler(self.masks)
         self.eval_masks = [np.ones(m.shape, m.dtype) for m in self.masks]  # evaluation keeps every unit
         params = dict(model.named_parameters())
@@ -266,10 +274,10 @@ class ArtifactsEngine:
                 artifact_directory=onnx_dir,
                 additional_output_names=["output"] if self.loss_block is not None else None,
             )
-        if self.aten_convs:
+        if self.aten_nodes:
             training_path = onnx_dir / "training_model.onnx"
             training_model = onnx.load(str(training_path))
-            aten_conv.type_gradient_outputs(training_model)
+            aten_nodes.type_gradient_outputs(training_model)
             onnx.save(training_model, str(training_path))
         if any(node.op_type == "BatchNormalization" for node in forward.graph.node):
             eval_path = onnx_dir / "eval_model.onnx"
@@ -279,9 +287,9 @@ class ArtifactsEngine:
         self.onnx_dir = onnx_dir
         self.options = onnxruntime.SessionOptions()
         self.options.log_severity_level = 3  # errors only: ORT logs every graph transformer it applies at INFO
-        # Torch's kernels run inside ORT's graphs with ATen convolutions: idle ORT threads must not spin against them.
+        # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.
         self.intra_op_threads = accel.intra_op_threads
-        self.allow_spinning = accel.allow_spinning and not self.aten_convs
+        self.allow_spinning = accel.allow_spinning and not self.aten_nodes
         compat.apply_session_settings(self.options, self.intra_op_threads, self.allow_spinning)
         with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs"):
             self._open(onnx_dir / "checkpoint", optim.lr)

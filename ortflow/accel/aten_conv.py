@@ -20,12 +20,11 @@ compete with the torch threads running these kernels).
 
 from typing import Any
 
-import numpy as np
 import onnx
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel import compat
+from ortflow.accel import aten_nodes, compat
 
 OPERATOR = "ortflow::convolution"  # the forward node's operator
 BACKWARD = "ortflow::convolution_backward"
@@ -35,8 +34,8 @@ _ARGS = (
 )
 
 # Two torch operators ORT's ATen executor calls by name. The forward is aten::convolution itself plus `output_mask`
-# (which of input, weight and bias need a gradient; set per node after the export, `set_gradient_masks`), so that
-# the gradient node, which receives the forward node's inputs, computes only those: ORT leaves a gradient nobody
+# (which of input, weight and bias need a gradient; set per node after the export, aten_nodes.set_gradient_masks),
+# so that the gradient node, which receives the forward node's inputs, computes only those: ORT leaves a gradient nobody
 # needs unconnected and refuses an operator that returns it anyway.
 _LIBRARY = torch.library.Library("ortflow", "DEF")
 _LIBRARY.define(f"convolution({_ARGS}) -> Tensor")
@@ -74,6 +73,8 @@ def _convolution_backward(
 
 _LIBRARY.impl("convolution", _convolution, "CPU")
 _LIBRARY.impl("convolution_backward", _convolution_backward, "CPU")
+# input, weight and bias may get a gradient; the mask is the forward node's tenth input
+aten_nodes.register(aten_nodes.AtenOp(OPERATOR, BACKWARD, differentiable=(0, 1, 2), mask_input=9))
 
 
 def gradient() -> list[tuple]:
@@ -97,55 +98,7 @@ def register_gradient() -> None:
 
 def count(model: onnx.ModelProto) -> int:
     """How many convolutions of an exported graph are ATen nodes."""
-    return sum(_is(node, OPERATOR) for node in model.graph.node)
-
-
-def _is(node: onnx.NodeProto, operator: str) -> bool:
-    return node.op_type == "ATen" and any(a.name == "operator" and a.s == operator.encode() for a in node.attribute)
-
-
-def set_gradient_masks(model: onnx.ModelProto, trainable: set[str]) -> None:
-    """Give every ATen convolution of an exported graph the output mask of its gradient: whether its input, weight
-    and bias depend on a trainable parameter (`trainable`: their graph names). An image fed to the first
-    convolution, or a frozen layer's weight, gets no gradient."""
-    graph = model.graph
-    reached = set(trainable)
-    for node in graph.node:  # nodes are in execution order
-        if any(name in reached for name in node.input):
-            reached.update(name for name in node.output if name)
-    kept = []
-    for node in graph.node:
-        if _is(node, OPERATOR):
-            mask = [node.input[i] in reached for i in range(3)]
-            name = f"{node.name or node.output[0]}/output_mask"
-            kept.append(
-                onnx.helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(mask)))
-            )
-            node.input[9] = name
-        kept.append(node)
-    del graph.node[:]
-    graph.node.extend(kept)
-
-
-def type_gradient_outputs(model: onnx.ModelProto) -> int:
-    """Declare the types of the gradient nodes' outputs in a training graph (those of grad_output): ORT's gradient
-    builder leaves them untyped and ORT's type inference cannot type a custom operator's outputs ("type inference
-    failed"). Returns how many it declared."""
-    graph = model.graph
-    typed = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
-    typed |= {i.name: i.data_type for i in graph.initializer}
-    declared = 0
-    for node in graph.node:
-        if not _is(node, BACKWARD):
-            continue
-        elem = typed.get(node.input[0]) or onnx.TensorProto.FLOAT
-        for name in node.output:
-            if name and not typed.get(name):
-                graph.value_info.append(onnx.helper.make_empty_tensor_value_info(name))
-                graph.value_info[-1].type.tensor_type.elem_type = elem
-                typed[name] = elem
-                declared += 1
-    return declared
+    return aten_nodes.count(model, OPERATOR)
 
 
 def _ints(g: Any, values: list[int]) -> Any:
@@ -165,7 +118,7 @@ def emit(g: Any, input, weight, bias, stride, padding, dilation, transposed, out
         g.op("Constant", value_t=torch.tensor(bool(transposed))),
         _ints(g, output_padding),
         g.op("Constant", value_t=torch.tensor(groups, dtype=torch.int64)),
-        g.op("Constant", value_t=torch.tensor([True, True, True])),  # set_gradient_masks narrows it
+        g.op("Constant", value_t=torch.tensor([True, True, True])),  # aten_nodes.set_gradient_masks narrows it
         operator_s=OPERATOR,
         overload_name_s="",
     )

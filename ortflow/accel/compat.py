@@ -130,6 +130,13 @@ def torch_symbolic(module: str, name: str):
 
 
 # ------------------------------------------------------------------------------------------------- ORT side
+_ORT_SYMBOLIC_OPSETS: set[int] = set()  # the opsets ORTModule has registered its symbolics at in this process
+
+
+def ort_symbolic_opsets() -> set[int]:
+    return _ORT_SYMBOLIC_OPSETS
+
+
 def ort_symbolic(name: str):
     """The symbolic ORTModule registers for `name` ("::_convolution", ...), or None (none, or ORTModule not imported:
     then it registered nothing)."""
@@ -189,6 +196,7 @@ class SessionSettings:
     allow_spinning: bool = True  # ORT's default
     rewrites: Rewrites = field(default_factory=Rewrites)  # the graph rewrites applied before the gradient is built
     aten_conv: bool = False  # every convolution exported as an ATen node run by torch (accel/aten_conv.py)
+    aten_layer_norm: bool = False  # every LayerNorm exported as an ATen node run by torch (accel/aten_layer_norm.py)
 
 
 @dataclass
@@ -244,9 +252,19 @@ def patch_ortmodule() -> None:
     if _patched:
         return
     prepare()
-    from ortflow.accel import aten_conv, symbolics
+    from ortflow.accel import aten_conv, aten_layer_norm, aten_nodes, symbolics
 
     aten_conv.register_gradient()  # before any ORTModule is built: it publishes ORT's gradient registry then
+    aten_layer_norm.register_gradient()
+    from onnxruntime.training.ortmodule._custom_op_symbolic_registry import CustomOpSymbolicRegistry
+
+    register_all = CustomOpSymbolicRegistry.register_all.__func__
+
+    def register_all_recorded(cls, onnx_opset_version):
+        _ORT_SYMBOLIC_OPSETS.add(onnx_opset_version)
+        return register_all(cls, onnx_opset_version)
+
+    CustomOpSymbolicRegistry.register_all = classmethod(register_all_recorded)
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
     from onnxruntime.training.ortmodule import _execution_agent
     from onnxruntime.training.ortmodule._graph_execution_manager import GraphExecutionManager
@@ -260,17 +278,23 @@ def patch_ortmodule() -> None:
 
     def get_exported_with_masks(*args, **kwargs):
         scope = _ACTIVE.get()
-        aten_convs = scope is not None and scope.settings.aten_conv
-        with compat_torch.exporting(), symbolics.ort_export(kwargs["onnx_opset_version"], aten_convs):
+        settings = scope.settings if scope is not None else SessionSettings()
+        opset = kwargs["onnx_opset_version"]
+        with compat_torch.exporting(), symbolics.ort_export(opset, settings.aten_conv, settings.aten_layer_norm):
             exported_model, output_schema = get_exported(*args, **kwargs)
         rewrites = scope.settings.rewrites if scope else Rewrites()
         fixes, masks = prepare_training_graph(exported_model, rewrites)
         assert not masks, "ORTModule cannot feed dropout masks"  # Rewrites.dropout_masks is artifacts-only
-        if convolutions := aten_conv.count(exported_model):
-            module = kwargs["flattened_module"]
-            trainable = {name for name, p in module.named_parameters() if p.requires_grad}
-            aten_conv.set_gradient_masks(exported_model, trainable)
+        convolutions, layer_norms = aten_conv.count(exported_model), aten_layer_norm.count(exported_model)
+        if convolutions or layer_norms:
+            # ORTModule builds its gradient graph for every parameter, frozen ones too (it exports them all as
+            # requiring a gradient and drops the frozen ones' afterwards): so must the ATen nodes.
+            parameters = {name for name, _ in kwargs["flattened_module"].named_parameters()}
+            aten_nodes.set_gradient_masks(exported_model, parameters)
+        if convolutions:
             fixes["convolutions_run_by_torch"] = convolutions
+        if layer_norms:
+            fixes["layer_norms_run_by_torch"] = layer_norms
         if scope is not None:
             scope.fixes.update(fixes)
         return exported_model, output_schema

@@ -72,6 +72,9 @@ class Settings:
     # convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-waiting is then off whatever
     # allow_spinning says: spinning ORT threads would compete with torch's.
     aten_conv: bool = True
+    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_layer_norm.py): ORT's CPU
+    # LayerNormalizationGrad was ~10x torch's kernel. Spin-waiting is then off too.
+    aten_layer_norm: bool = True
 
     def rewrites(self) -> Rewrites:
         return Rewrites(gathers=self.rewrite_gathers, relu=self.rewrite_relu)
@@ -130,9 +133,10 @@ class ORTModuleEngine:
         self.fallback = settings.fallback
         self.session = compat.SessionSettings(
             settings.intra_op_threads,
-            settings.allow_spinning and not settings.aten_conv,
+            settings.allow_spinning and not (settings.aten_conv or settings.aten_layer_norm),
             settings.rewrites(),
             aten_conv=settings.aten_conv,
+            aten_layer_norm=settings.aten_layer_norm,
         )
         self.runs = compat.OrtRunCounter()  # this engine's own ORT runs: the proof that ORT executed
         self.graph_fixes: dict[str, int] = {}  # ortflow's fixes applied to the exported graphs

@@ -2,6 +2,8 @@
 
 - `aten::_convolution`, `aten::_convolution_mode`: convolutions as ATen nodes run by torch's kernels
   (accel/aten_conv.py): transposed ones always, all with `accel.aten_conv`.
+- `aten::layer_norm`: LayerNorm as an ATen node run by torch's kernels with `accel.aten_layer_norm`
+  (accel/aten_layer_norm.py).
 - `aten::batch_norm` without running statistics (BatchNorm(track_running_stats=False)) and `aten::instance_norm`:
   torch's own need the batch and channel sizes as constants ("batch_size and channel_size must be non-None",
   "ONNX export of instance_norm for unknown channel size"), which ORTModule's export, every input dimension
@@ -23,12 +25,13 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel import aten_conv, compat
+from ortflow.accel import aten_conv, aten_layer_norm, compat
 
 
 @dataclass(frozen=True)
 class _Export:
     aten_conv: bool  # every convolution as an ATen node (transposed ones always)
+    aten_layer_norm: bool = False  # every LayerNorm as an ATen node
 
 
 _ACTIVE: contextvars.ContextVar[_Export | None] = contextvars.ContextVar("ortflow_ort_export", default=None)
@@ -115,21 +118,33 @@ def _convolution_mode(g, *args):
     return aten_conv.convolution_mode_symbolic(native)(g, *args)
 
 
+def _layer_norm(g, *args):
+    """ortflow's ATen LayerNorm inside an ORT export with accel.aten_layer_norm; otherwise ORTModule's symbolic at the
+    opsets ORTModule registered it for, torch's own at the others (ORT's emits LayerNormalization, an opset-17 op)."""
+    active = _ACTIVE.get()
+    if active is not None and active.aten_layer_norm:
+        return aten_layer_norm.emit(g, *args)
+    if g.opset in compat.ort_symbolic_opsets() and (ort := compat.ort_symbolic("::layer_norm")) is not None:
+        return ort(g, *args)
+    return compat.torch_symbolic("symbolic_opset17" if g.opset >= 17 else "symbolic_opset9", "layer_norm")(g, *args)
+
+
 SYMBOLICS: dict[str, Callable[..., Any]] = {
     "::_convolution": _convolution,
     "::_convolution_mode": _convolution_mode,
     "::batch_norm": batch_norm,
     "::instance_norm": instance_norm,
+    "::layer_norm": _layer_norm,
 }
 
 
 @contextlib.contextmanager
-def ort_export(opset: int, aten_conv_all: bool) -> Iterator[None]:
+def ort_export(opset: int, aten_conv_all: bool, aten_layer_norm: bool = False) -> Iterator[None]:
     """Around an ORT engine's export at `opset`: ortflow's symbolics in force (registered over whatever was there at
     that opset, ORTModule's own included, which they call where they change nothing)."""
     for name, symbolic in SYMBOLICS.items():
         torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
-    token = _ACTIVE.set(_Export(aten_conv_all))
+    token = _ACTIVE.set(_Export(aten_conv_all, aten_layer_norm))
     try:
         yield
     finally:

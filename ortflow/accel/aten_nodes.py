@@ -1,0 +1,84 @@
+"""What ORT's graphs need around the `org.pytorch.aten::ATen` nodes ortflow exports (operators torch runs inside
+ORT's graphs: convolutions, accel/aten_conv.py; LayerNorm, accel/aten_layer_norm.py).
+
+Each such forward operator takes, as one of its inputs, a boolean mask of which of its tensor inputs need a gradient:
+its gradient node (which receives the forward node's inputs) then computes only those, since ORT leaves a gradient
+nobody needs unconnected and refuses an operator that returns it anyway. ORT's gradient builder leaves the gradient
+nodes' outputs untyped, and its type inference cannot type a custom operator's outputs: ortflow declares them.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+
+@dataclass(frozen=True)
+class AtenOp:
+    forward: str  # the forward node's `operator` attribute
+    backward: str  # its gradient node's
+    differentiable: tuple[int, ...]  # the forward node's tensor inputs that may get a gradient, in mask order
+    mask_input: int  # the forward node's input holding that mask
+
+
+OPS: dict[str, AtenOp] = {}
+
+
+def register(op: AtenOp) -> None:
+    OPS[op.forward] = op
+
+
+def operator(node: onnx.NodeProto) -> str | None:
+    """The `operator` an ATen node runs (None for any other node)."""
+    if node.op_type != "ATen":
+        return None
+    return next((a.s.decode() for a in node.attribute if a.name == "operator"), None)
+
+
+def count(model: onnx.ModelProto, forward: str) -> int:
+    """How many nodes of an exported graph run the ATen operator `forward`."""
+    return sum(operator(node) == forward for node in model.graph.node)
+
+
+def set_gradient_masks(model: onnx.ModelProto, trainable: set[str]) -> None:
+    """Give every registered ATen node of an exported graph the mask of the gradients it must compute: whether each
+    of its differentiable inputs depends on a trainable parameter (`trainable`: their graph names). An image fed to
+    the first convolution, or a frozen layer's weight, gets no gradient."""
+    graph = model.graph
+    reached = set(trainable)
+    for node in graph.node:  # nodes are in execution order
+        if any(name in reached for name in node.input):
+            reached.update(name for name in node.output if name)
+    kept = []
+    for node in graph.node:
+        if (op := OPS.get(operator(node) or "")) is not None:
+            mask = [len(node.input) > i and node.input[i] in reached for i in op.differentiable]
+            name = f"{node.name or node.output[0]}/output_mask"
+            kept.append(
+                onnx.helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(mask)))
+            )
+            node.input[op.mask_input] = name
+        kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
+def type_gradient_outputs(model: onnx.ModelProto) -> int:
+    """Declare the types of the registered gradient nodes' outputs in a training graph (those of their first input,
+    the output's gradient). Returns how many it declared."""
+    graph = model.graph
+    backward = {op.backward for op in OPS.values()}
+    typed = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    typed |= {i.name: i.data_type for i in graph.initializer}
+    declared = 0
+    for node in graph.node:
+        if operator(node) not in backward:
+            continue
+        elem = typed.get(node.input[0]) or onnx.TensorProto.FLOAT
+        for name in node.output:
+            if name and not typed.get(name):
+                graph.value_info.append(onnx.helper.make_empty_tensor_value_info(name))
+                graph.value_info[-1].type.tensor_type.elem_type = elem
+                typed[name] = elem
+                declared += 1
+    return declared
