@@ -67,9 +67,10 @@ class Settings:
     # convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-waiting is then off whatever
     # allow_spinning says: spinning ORT threads would compete with torch's.
     aten_conv: bool = True
-    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_layer_norm.py): ORT's CPU
-    # LayerNormalizationGrad was ~10x torch's kernel. Spin-waiting is then off too.
-    aten_layer_norm: bool = True
+    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_layer_norm.py). Off by default:
+    # it was slower at d_model 128 (-10 to -15%), even at 512, and spin-waiting is then off too; on, it lowers
+    # artifacts' peak memory (README, Performance: -410 MB at d_model 512).
+    aten_layer_norm: bool = False
 
     def rewrites(self) -> Rewrites:
         return Rewrites(
