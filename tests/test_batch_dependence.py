@@ -140,8 +140,13 @@ def short_batch_digits(full_only: bool = False) -> Data:
 
 
 def bn_mlp(track_running_stats: bool = True) -> nn.Module:
+    # No bias before BatchNorm (as is usual): its gradient is zero up to rounding, which AdamW turns into lr-sized
+    # steps of random sign, so that bias and the running mean tracking it would differ between engines by noise.
     return nn.Sequential(
-        nn.Linear(64, 16), nn.BatchNorm1d(16, track_running_stats=track_running_stats), nn.ReLU(), nn.Linear(16, 10)
+        nn.Linear(64, 16, bias=False),
+        nn.BatchNorm1d(16, track_running_stats=track_running_stats),
+        nn.ReLU(),
+        nn.Linear(16, 10),
     )
 
 
