@@ -150,6 +150,28 @@ def test_ortflows_word_by_word_encoding_equals_the_tokenizers_own(tmp_path):
     assert tokenizer.decode(words.tolist()) == text
 
 
+def test_word_by_word_encoding_of_segments_with_every_kind_of_word_boundary(tmp_path):
+    """Random chunks of several segments, with separators, built from pieces at the split pattern's edges: lone and
+    repeated spaces before every class, tabs, \\v (not whitespace to the pattern), digit runs longer than 3, words
+    longer than 7 and 15 bytes, UTF-8 (valid and cut), NUL, text spelling the separator."""
+    import random
+
+    from ortflow.data.tokens import encode
+
+    pieces = [b" ", b"  ", b"\t", b"\n", b"\r\n", b"\f", b"\v", b"a", b"Zeta", b"1", b"12345", b"(", b"=" * 10]
+    pieces += [b"\xc3\xa9", b"\xe2\x82", b"\xff", b"_", b"\0", b"abcdefghijkl", b"a" * 20, b" <|endoftext|>"]
+    tokenizer = train_bpe([b"".join(pieces * 50).decode("utf-8", errors="replace"), "".join(DOCS)], 400)
+    words = encode.make_encoder("bpe", tokenizer.json, 0, "uint16")
+    whole = encode.make_encoder("pretrained", tokenizer.json, 0, "uint16")
+    rng = random.Random(0)
+    for _ in range(1500):
+        chunk = [
+            (b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 10))), rng.random() < 0.5)
+            for _ in range(rng.randint(1, 5))
+        ]
+        assert np.array_equal(words(chunk), whole(chunk)), chunk
+
+
 @pytest.fixture
 def gpt2_style(tmp_path) -> Path:
     """A tokenizer that is not ortflow's (GPT-2's byte-level pre-tokenizer): encoded whole, not word by word."""

@@ -7,9 +7,9 @@
 - a path to a `tokenizer.json` (or a folder holding one), or the name of a model in the local Hugging Face cache
   (looked up offline; nothing is downloaded).
 
-ortflow's own BPE splits text into words with one plain regex (SPLIT_PATTERN, ASCII classes only, so Python's `re`
-and the Rust tokenizer split identically) before the byte-level merges. That lets the prepare step encode each
-distinct word once and reuse it (ortflow/data/tokens/encode.py: 3-4x the throughput of encoding whole texts with
+ortflow's own BPE splits text into words with one plain regex (SPLIT_PATTERN, ASCII classes only, so byte classes
+split as the Rust tokenizer does) before the byte-level merges. That lets the prepare step encode each distinct word
+once and reuse it (ortflow/data/tokens/encode.py: several times the throughput of encoding whole texts with
 `tokenizers`), while the saved tokenizer.json encodes a prompt exactly as the corpus was encoded.
 """
 
