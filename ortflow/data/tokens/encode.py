@@ -271,7 +271,7 @@ class WordEncoder:
             buf = np.frombuffer(text, dtype=np.uint8)
             sizes = np.array([len(t) for t, _ in chunk], dtype=np.int64)
             segment_starts = np.cumsum(sizes) - sizes
-            starts = split_words(buf, np.unique(segment_starts[sizes > 0]))
+            starts = split_words(buf, segment_starts[sizes > 0])  # increasing: empty segments dropped
             numbers = self._numbers(text, buf, starts)
             separated = [i for i, (_, separate) in enumerate(chunk) if separate]
             if separated:  # the separator (word 0) goes before the first word of its segment
