@@ -150,7 +150,7 @@ def test_ortflows_word_by_word_encoding_equals_the_tokenizers_own(tmp_path):
     assert tokenizer.decode(words.tolist()) == text
 
 
-def test_word_by_word_encoding_of_segments_with_every_kind_of_word_boundary(tmp_path):
+def test_word_by_word_encoding_of_segments_with_every_kind_of_word_boundary():
     """Random chunks of several segments, with separators, built from pieces at the split pattern's edges: lone and
     repeated spaces before every class, tabs, \\v (not whitespace to the pattern), digit runs longer than 3, words
     longer than 7 and 15 bytes, UTF-8 (valid and cut), NUL, text spelling the separator."""

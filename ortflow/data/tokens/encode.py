@@ -138,7 +138,8 @@ class HFEncoder:
         return np.array(ids, dtype=self.dtype)
 
 
-# Byte classes of SPLIT_PATTERN: letters, digits, whitespace, everything else (non-ASCII bytes included).
+# Byte classes of SPLIT_PATTERN (tokenizer.py; tests/test_lm_data.py checks that both split alike): letters, digits,
+# whitespace, everything else (non-ASCII bytes included).
 _LETTER, _DIGIT, _SPACE_CLASS, _OTHER = 0, 1, 2, 3
 _CLASSES = np.full(256, _OTHER, dtype=np.uint8)
 _CLASSES[np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz", dtype=np.uint8)] = _LETTER
@@ -230,13 +231,14 @@ class WordEncoder:
         firsts = []
         for group, at in enumerate(groups):
             n = lengths[at]
-            tail = (n.astype(np.uint64) << np.uint64(56)) | (eight[starts[at] + 8] & _MASKS[np.maximum(n - 8, 0)])
+            length = n.astype(np.uint64) << np.uint64(56)
             head = eight[starts[at]]
             if group == 0:  # the key: the bytes and the length
-                head = (head & _MASKS[n]) | tail
+                head = (head & _MASKS[n]) | length
                 first, inverse = _distinct(head)
                 keys += head[first].tolist()
             else:  # the key: the first 8 bytes, then the rest and the length
+                tail = length | (eight[starts[at] + 8] & _MASKS[n - 8])
                 first, inverse = _distinct(head, tail)
                 keys += [h | (t << 64) for h, t in zip(head[first].tolist(), tail[first].tolist(), strict=True)]
             firsts.append(at[first])
