@@ -273,6 +273,13 @@ class EarlyStoppingConfig:
     min_delta: float = ranged(0.0, Ge(0))  # smaller changes do not count as improvements
 
 
+# trainer.precision: fp32, or torch's CPU autocast (matmuls, linear layers and convolutions computed in bf16; weights,
+# optimizer state, normalisation, softmax, losses and reductions fp32), or auto (bf16-mixed where the CPU has bf16
+# units, fp32 elsewhere; ortflow/machine.py).
+FP32, BF16, AUTO = "fp32", "bf16-mixed", "auto"
+PRECISIONS = (FP32, BF16, AUTO)
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = ranged(100, Ge(1))  # optimizer steps
@@ -298,6 +305,7 @@ class TrainerConfig:
     # batch N times larger would compute them (a step then draws N batches; samples/s counts all of them).
     accumulate_grad_batches: int = ranged(1, Interval(ge=1, le=4096))
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    precision: str = FP32  # fp32 | bf16-mixed | auto (PRECISIONS above)
 
 
 @dataclass

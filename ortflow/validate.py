@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from ortflow import accel, distributed, ranges
+from ortflow.config import PRECISIONS
 from ortflow.errors import collect
 from ortflow.model import OUTPUT_KEY
 from ortflow.run.trainer import FINAL_METRICS
@@ -84,6 +85,11 @@ def problems(cfg: DictConfig) -> list[str]:
             f"{evals} (or null to turn early stopping off)."
         )
     found += distributed.problems(cfg.distributed)
+    if trainer.precision not in PRECISIONS:
+        found.append(
+            f"trainer.precision={trainer.precision!r} is not a precision ortflow trains in; choose one of "
+            f"{', '.join(PRECISIONS)} (bf16-mixed: matmuls and convolutions in bf16, as torch's CPU autocast)."
+        )
     if trainer.resume is not None and not trainer.resume.strip():
         found.append("trainer.resume is empty; use trainer.resume=auto, a checkpoint path, or leave it out.")
     is_text = _is_text(data)

@@ -21,11 +21,11 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import aten_conv, aten_layer_norm, aten_nodes, batchnorm, compat, symbolics
+from ortflow.accel import aten_nodes, batchnorm, compat, symbolics
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.none import debug_problems
 from ortflow.accel.rewrites import MaskSampler, Rewrites, prepare_training_graph
-from ortflow.config import OptimConfig, OptimName
+from ortflow.config import BF16, OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.files import as_write_failure
@@ -232,26 +232,22 @@ class ArtifactsEngine:
             compat.quiet_export(),
             _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export"),
             training_forward_probe(model),  # the export traces one training forward: its BatchNorm update is undone
-            symbolics.ort_export(accel.opset, accel.aten_conv, accel.aten_layer_norm),
+            symbolics.ort_export(accel.opset, accel.aten_conv, accel.aten_layer_norm, ctx.precision == BF16),
         ):
             compat.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
         forward = onnx.load(str(forward_path))
-        # Convolutions (accel.aten_conv, transposed ones always) and LayerNorms (accel.aten_layer_norm) as ATen
-        # nodes: torch runs them inside ORT.
-        self.aten_convs, aten_layer_norms = aten_conv.count(forward), aten_layer_norm.count(forward)
-        self.aten_nodes = self.aten_convs + aten_layer_norms
+        # Convolutions (accel.aten_conv, transposed ones always), LayerNorms (accel.aten_layer_norm) and, in bf16,
+        # matrix multiplies as ATen nodes: torch runs them inside ORT (accel/aten_nodes.py).
+        torch_nodes = aten_nodes.count_all(forward)
+        self.aten_nodes = sum(torch_nodes.values())
         if self.aten_nodes:
             compat.load_aten_executor()
-            aten_conv.register_gradient()
-            aten_layer_norm.register_gradient()
+            aten_nodes.register_gradients()
             trainable = {_PREFIX + n for n, p in model.named_parameters() if p.requires_grad}
             aten_nodes.set_gradient_masks(forward, trainable)
         example_feeds = {name: t.numpy() for name, t in zip(names, args, strict=True)}
         self.graph_fixes, self.masks = prepare_training_graph(forward, accel.rewrites(), example_feeds)
-        if self.aten_convs:
-            self.graph_fixes["convolutions_run_by_torch"] = self.aten_convs
-        if aten_layer_norms:
-            self.graph_fixes["layer_norms_run_by_torch"] = aten_layer_norms
+        self.graph_fixes.update(aten_nodes.graph_fixes(torch_nodes))
         self.sampler = MaskSampler(self.masks)
         self.eval_masks = [np.ones(m.shape, m.dtype) for m in self.masks]  # evaluation keeps every unit
         params = dict(model.named_parameters())

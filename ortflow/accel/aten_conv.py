@@ -24,10 +24,12 @@ import onnx
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel import aten_nodes, compat
+from ortflow.accel import aten_nodes
 
 OPERATOR = "ortflow::convolution"  # the forward node's operator
 BACKWARD = "ortflow::convolution_backward"
+OPERATOR_BF16 = "ortflow::convolution_bf16"  # trainer.precision=bf16-mixed: computed on bf16 copies
+BACKWARD_BF16 = "ortflow::convolution_bf16_backward"
 _ARGS = (
     "Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, bool transposed, "
     "int[] output_padding, int groups, bool[] output_mask"
@@ -40,6 +42,8 @@ _ARGS = (
 _LIBRARY = torch.library.Library("ortflow", "DEF")
 _LIBRARY.define(f"convolution({_ARGS}) -> Tensor")
 _LIBRARY.define(f"convolution_backward(Tensor grad_output, {_ARGS}) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.define(f"convolution_bf16({_ARGS}) -> Tensor")
+_LIBRARY.define(f"convolution_bf16_backward(Tensor grad_output, {_ARGS}) -> (Tensor, Tensor, Tensor)")
 
 
 def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, output_mask):
@@ -71,13 +75,41 @@ def _convolution_backward(
     return tuple(grad if wanted else None for grad, wanted in zip(grads, mask, strict=True))
 
 
+def _bf16(tensor):
+    return None if tensor is None else tensor.to(torch.bfloat16)
+
+
+def _convolution_bf16(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, output_mask):
+    """trainer.precision=bf16-mixed: the convolution of bf16 copies (torch's CPU autocast), returned in fp32."""
+    args = (stride, padding, dilation, transposed, output_padding, groups, output_mask)
+    return _convolution(_bf16(input), _bf16(weight), _bf16(bias), *args).float()
+
+
+def _convolution_bf16_backward(
+    grad_output, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, output_mask
+):
+    """The input and weight gradients as bf16 convolutions, returned in fp32; the bias gradient summed in fp32."""
+    args = (stride, padding, dilation, transposed, output_padding, groups)
+    grad_input, grad_weight, _ = _convolution_backward(
+        _bf16(grad_output), _bf16(input), _bf16(weight), bias, *args, [output_mask[0], output_mask[1], False]
+    )
+    grad_bias = None
+    if bool(output_mask[2]) and bias is not None:
+        grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
+    return _float(grad_input), _float(grad_weight), grad_bias
+
+
+def _float(tensor):
+    return None if tensor is None else tensor.float()
+
+
 _LIBRARY.impl("convolution", _convolution, "CPU")
 _LIBRARY.impl("convolution_backward", _convolution_backward, "CPU")
-# input, weight and bias may get a gradient; the mask is the forward node's tenth input
-aten_nodes.register(aten_nodes.AtenOp(OPERATOR, BACKWARD, differentiable=(0, 1, 2), mask_input=9))
+_LIBRARY.impl("convolution_bf16", _convolution_bf16, "CPU")
+_LIBRARY.impl("convolution_bf16_backward", _convolution_bf16_backward, "CPU")
 
 
-def gradient() -> list[tuple]:
+def gradient(backward: str = BACKWARD) -> list[tuple]:
     """ORT's gradient definition for the forward ATen node (see onnxruntime's _custom_gradient_registry.py): one ATen
     node, inputs GO(0) and the forward node's ten inputs, outputs the gradients of input, weight and bias."""
     return [
@@ -85,28 +117,48 @@ def gradient() -> list[tuple]:
             ("ATen", "org.pytorch.aten"),
             ["GO(0)", *(f"I({i})" for i in range(10))],
             ["GI(0)", "GI(1)", "GI(2)"],
-            {"operator": {"value": BACKWARD, "dtype": "string"}},
+            {"operator": {"value": backward, "dtype": "string"}},
         )
     ]
 
 
-def register_gradient() -> None:
-    """Give ORT the gradient of the ATen convolution node (once per process; ORTModule publishes its registry when it
-    is built, the artifacts engine before generate_artifacts)."""
-    compat.register_ort_gradient(OPERATOR, "", gradient)
+# input, weight and bias may get a gradient; the mask is the forward node's tenth input
+aten_nodes.register(
+    aten_nodes.AtenOp(
+        OPERATOR,
+        BACKWARD,
+        differentiable=(0, 1, 2),
+        mask_input=9,
+        gradient=gradient,
+        fix_name="convolutions_run_by_torch",
+    )
+)
+aten_nodes.register(
+    aten_nodes.AtenOp(
+        OPERATOR_BF16,
+        BACKWARD_BF16,
+        (0, 1, 2),
+        mask_input=9,
+        gradient=lambda: gradient(BACKWARD_BF16),
+        fix_name="convolutions_run_by_torch_bf16",
+    )
+)
 
 
 def count(model: onnx.ModelProto) -> int:
     """How many convolutions of an exported graph are ATen nodes."""
-    return aten_nodes.count(model, OPERATOR)
+    return aten_nodes.count(model, OPERATOR) + aten_nodes.count(model, OPERATOR_BF16)
 
 
 def _ints(g: Any, values: list[int]) -> Any:
     return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
 
 
-def emit(g: Any, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups) -> Any:
-    """One ATen node running ortflow::convolution (its output typed as the traced convolution's)."""
+def emit(
+    g: Any, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, bf16: bool = False
+) -> Any:
+    """One ATen node running ortflow::convolution (ortflow::convolution_bf16 with `bf16`; its output typed as the
+    traced convolution's)."""
     output = g.op(
         "org.pytorch.aten::ATen",
         input,
@@ -119,14 +171,14 @@ def emit(g: Any, input, weight, bias, stride, padding, dilation, transposed, out
         _ints(g, output_padding),
         g.op("Constant", value_t=torch.tensor(groups, dtype=torch.int64)),
         g.op("Constant", value_t=torch.tensor([True, True, True])),  # aten_nodes.set_gradient_masks narrows it
-        operator_s=OPERATOR,
+        operator_s=OPERATOR_BF16 if bf16 else OPERATOR,
         overload_name_s="",
     )
     output.setType(g.original_node.output().type())
     return output
 
 
-def convolution_symbolic(all_convolutions: bool, native) -> Any:
+def convolution_symbolic(all_convolutions: bool, native, bf16: bool = False) -> Any:
     """The `aten::_convolution` symbolic: an ATen node for transposed convolutions always (ORT has no CPU gradient
     for ConvTranspose) and for every convolution with `all_convolutions`; otherwise `native` (ORT's Conv)."""
 
@@ -150,12 +202,12 @@ def convolution_symbolic(all_convolutions: bool, native) -> Any:
         args = (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
         if not (all_convolutions or transposed):
             return native(g, *args, benchmark, deterministic, cudnn_enabled, allow_tf32)
-        return emit(g, *args)
+        return emit(g, *args, bf16=bf16)
 
     return symbolic
 
 
-def convolution_mode_symbolic(native) -> Any:
+def convolution_mode_symbolic(native, bf16: bool = False) -> Any:
     """The `aten::_convolution_mode` symbolic (padding="valid" or "same", stride 1): an ATen node with the padding
     written out where it is the same on both sides of every dimension; otherwise `native`."""
 
@@ -171,6 +223,6 @@ def convolution_mode_symbolic(native) -> Any:
             return native(g, input, weight, bias, stride, padding, dilation, groups)
         pads = [t // 2 for t in totals] if padding == "same" else [0] * len(kernel)
         stride = stride if len(stride) == len(kernel) else stride * len(kernel)
-        return emit(g, input, weight, bias, stride, pads, dilation, False, [0] * len(kernel), groups)
+        return emit(g, input, weight, bias, stride, pads, dilation, False, [0] * len(kernel), groups, bf16=bf16)
 
     return symbolic

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel import aten_nodes, compat
+from ortflow.accel import aten_nodes
 
 OPERATOR = "ortflow::layer_norm"
 BACKWARD = "ortflow::layer_norm_backward"
@@ -48,8 +48,6 @@ def _layer_norm_backward(grad_output, input, weight, bias, normalized_shape, eps
 
 _LIBRARY.impl("layer_norm", _layer_norm, "CPU")
 _LIBRARY.impl("layer_norm_backward", _layer_norm_backward, "CPU")
-# input, weight and bias (the first three inputs) may get a gradient; the mask is the forward node's sixth input
-aten_nodes.register(aten_nodes.AtenOp(OPERATOR, BACKWARD, differentiable=(0, 1, 2), mask_input=5))
 
 
 def gradient() -> list[tuple]:
@@ -66,9 +64,17 @@ def gradient() -> list[tuple]:
     ]
 
 
-def register_gradient() -> None:
-    """Give ORT the gradient of the ATen LayerNorm node (see aten_conv.register_gradient)."""
-    compat.register_ort_gradient(OPERATOR, "", gradient)
+# input, weight and bias (the first three inputs) may get a gradient; the mask is the forward node's sixth input
+aten_nodes.register(
+    aten_nodes.AtenOp(
+        OPERATOR,
+        BACKWARD,
+        differentiable=(0, 1, 2),
+        mask_input=5,
+        gradient=gradient,
+        fix_name="layer_norms_run_by_torch",
+    )
+)
 
 
 def count(model) -> int:

@@ -1,5 +1,10 @@
-"""What ORT's graphs need around the `org.pytorch.aten::ATen` nodes ortflow exports (operators torch runs inside
-ORT's graphs: convolutions, accel/aten_conv.py; LayerNorm, accel/aten_layer_norm.py).
+"""The one registry of the `org.pytorch.aten::ATen` operators ortflow exports (operators torch runs inside ORT's
+graphs: convolutions, accel/aten_conv.py; LayerNorm, accel/aten_layer_norm.py; bf16 matrix multiplies,
+accel/aten_gemm.py), and what ORT's graphs need around them.
+
+Each is behind a setting with an ORT-native path (accel.aten_conv, accel.aten_layer_norm, trainer.precision=fp32), so
+a torch-free export stays possible. A graph holding any of them runs only where torch and the ATen executor extension
+are loaded: the engines count them (`count_all`) to load the executor and turn ORT's spin-waiting off.
 
 Each such forward operator takes, as one of its inputs, a boolean mask of which of its tensor inputs need a gradient:
 its gradient node (which receives the forward node's inputs) then computes only those, since ORT leaves a gradient
@@ -7,10 +12,13 @@ nobody needs unconnected and refuses an operator that returns it anyway. ORT's g
 nodes' outputs untyped, and its type inference cannot type a custom operator's outputs: ortflow declares them.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
+
+from ortflow.accel import compat
 
 
 @dataclass(frozen=True)
@@ -19,6 +27,8 @@ class AtenOp:
     backward: str  # its gradient node's
     differentiable: tuple[int, ...]  # the forward node's tensor inputs that may get a gradient, in mask order
     mask_input: int  # the forward node's input holding that mask
+    gradient: Callable[[], list[tuple]]  # ORT's gradient definition (format of onnxruntime's _custom_gradient_registry)
+    fix_name: str  # how its nodes are counted among an engine's graph fixes (run.json, the engine's describe())
 
 
 OPS: dict[str, AtenOp] = {}
@@ -26,6 +36,13 @@ OPS: dict[str, AtenOp] = {}
 
 def register(op: AtenOp) -> None:
     OPS[op.forward] = op
+
+
+def register_gradients() -> None:
+    """Give ORT the gradient of every registered operator (once per process; ORTModule publishes its registry when it
+    is built, the artifacts engine before generate_artifacts). Imports ORTModule (the torch patches first)."""
+    for op in OPS.values():
+        compat.register_ort_gradient(op.forward, "", op.gradient)
 
 
 def operator(node: onnx.NodeProto) -> str | None:
@@ -38,6 +55,20 @@ def operator(node: onnx.NodeProto) -> str | None:
 def count(model: onnx.ModelProto, forward: str) -> int:
     """How many nodes of an exported graph run the ATen operator `forward`."""
     return sum(operator(node) == forward for node in model.graph.node)
+
+
+def count_all(model: onnx.ModelProto) -> dict[str, int]:
+    """How many nodes of an exported graph run each registered operator (those present only)."""
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        if (name := operator(node)) in OPS:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def graph_fixes(counts: dict[str, int]) -> dict[str, int]:
+    """`count_all`'s counts under their graph-fix names."""
+    return {OPS[name].fix_name: n for name, n in counts.items()}
 
 
 def set_gradient_masks(model: onnx.ModelProto, trainable: set[str]) -> None:

@@ -197,6 +197,12 @@ class SessionSettings:
     rewrites: Rewrites = field(default_factory=Rewrites)  # the graph rewrites applied before the gradient is built
     aten_conv: bool = False  # every convolution exported as an ATen node run by torch (accel/aten_conv.py)
     aten_layer_norm: bool = False  # every LayerNorm exported as an ATen node run by torch (accel/aten_layer_norm.py)
+    bf16: bool = False  # matrix multiplies and ATen convolutions computed in bf16 by torch (accel/aten_gemm.py)
+
+    @property
+    def torch_kernels(self) -> bool:
+        """Whether the exported graphs may hold ATen nodes that torch runs (then ORT must not spin-wait)."""
+        return self.aten_conv or self.aten_layer_norm or self.bf16
 
 
 @dataclass
@@ -252,10 +258,9 @@ def patch_ortmodule() -> None:
     if _patched:
         return
     prepare()
-    from ortflow.accel import aten_conv, aten_layer_norm, aten_nodes, symbolics
+    from ortflow.accel import aten_nodes, symbolics
 
-    aten_conv.register_gradient()  # before any ORTModule is built: it publishes ORT's gradient registry then
-    aten_layer_norm.register_gradient()
+    aten_nodes.register_gradients()  # before any ORTModule is built: it publishes ORT's gradient registry then
     from onnxruntime.training.ortmodule._custom_op_symbolic_registry import CustomOpSymbolicRegistry
 
     register_all = CustomOpSymbolicRegistry.register_all.__func__
@@ -280,21 +285,20 @@ def patch_ortmodule() -> None:
         scope = _ACTIVE.get()
         settings = scope.settings if scope is not None else SessionSettings()
         opset = kwargs["onnx_opset_version"]
-        with compat_torch.exporting(), symbolics.ort_export(opset, settings.aten_conv, settings.aten_layer_norm):
+        with (
+            compat_torch.exporting(),
+            symbolics.ort_export(opset, settings.aten_conv, settings.aten_layer_norm, settings.bf16),
+        ):
             exported_model, output_schema = get_exported(*args, **kwargs)
         rewrites = scope.settings.rewrites if scope else Rewrites()
         fixes, masks = prepare_training_graph(exported_model, rewrites)
         assert not masks, "ORTModule cannot feed dropout masks"  # Rewrites.dropout_masks is artifacts-only
-        convolutions, layer_norms = aten_conv.count(exported_model), aten_layer_norm.count(exported_model)
-        if convolutions or layer_norms:
+        if torch_nodes := aten_nodes.count_all(exported_model):
             # ORTModule builds its gradient graph for every parameter, frozen ones too (it exports them all as
             # requiring a gradient and drops the frozen ones' afterwards): so must the ATen nodes.
             parameters = {name for name, _ in kwargs["flattened_module"].named_parameters()}
             aten_nodes.set_gradient_masks(exported_model, parameters)
-        if convolutions:
-            fixes["convolutions_run_by_torch"] = convolutions
-        if layer_norms:
-            fixes["layer_norms_run_by_torch"] = layer_norms
+        fixes.update(aten_nodes.graph_fixes(torch_nodes))
         if scope is not None:
             scope.fixes.update(fixes)
         return exported_model, output_schema

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ortflow.config import FP32
 from ortflow.errors import OrtflowError
 from ortflow.step.batch import Inputs, Layout, layout_of, pad_rows
 from ortflow.step.loss import CrossEntropy, EvalResult, Loss
@@ -36,6 +37,9 @@ class EngineContext:
         reduce_loss: turns this process's loss into the global one (the mean over ranks); None for one process.
         accumulate: micro-batches per optimizer step (trainer.accumulate_grad_batches); with more than 1 the loop
             calls `train_micro`.
+        precision: FP32 or BF16 (trainer.precision, `auto` already resolved): with BF16 an engine computes matrix
+            multiplies, linear layers and convolutions in bf16 as torch's CPU autocast does; weights, optimizer state,
+            normalisation, softmax, losses and reductions stay fp32.
     """
 
     model: nn.Module
@@ -48,6 +52,7 @@ class EngineContext:
     wrap: Callable[[nn.Module], nn.Module] = _no_wrappers
     reduce_loss: Callable[[float], float] | None = None
     accumulate: int = 1
+    precision: str = FP32
 
     @property
     def layout(self) -> Layout:
@@ -103,18 +108,24 @@ class WithLoss(nn.Module):
     """Model plus loss in one module, so ORTModule runs the loss inside ORT too. It takes the flat input tensors
     followed by the targets (batch.Layout) and calls the model with its inputs in their own structure.
 
-    Training mode returns the loss only; eval mode returns (loss, output) for the metrics.
+    Training mode returns the loss only; eval mode returns (loss, output) for the metrics. With `autocast` (eager
+    PyTorch in bf16-mixed) the model runs under torch's CPU autocast in bf16 and the loss is computed in fp32 on its
+    output.
     """
 
-    def __init__(self, model: nn.Module, loss: Loss, layout: Layout) -> None:
+    def __init__(self, model: nn.Module, loss: Loss, layout: Layout, autocast: bool = False) -> None:
         super().__init__()
         self.model = model
         self.loss = loss
         self.layout = layout
+        self.autocast = autocast
 
     def forward(self, *tensors: torch.Tensor):
         *inputs, targets = tensors
-        output = self.layout.call(self.model, tuple(inputs))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            output = self.layout.call(self.model, tuple(inputs))
+        if self.autocast and isinstance(output, torch.Tensor) and output.dtype == torch.bfloat16:
+            output = output.float()
         loss = self.loss(output, targets)
         return loss if self.training else (loss, output)
 

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ortflow.accel.engine import EngineContext, WithLoss
-from ortflow.config import OptimConfig
+from ortflow.config import BF16, OptimConfig
 from ortflow.step.batch import Inputs, Layout
 from ortflow.step.loss import EvalResult, Loss
 from ortflow.step.optim import build_torch_optimizer
@@ -46,7 +46,7 @@ def problems(cfg: DictConfig) -> list[str]:
 
 def build(ctx: EngineContext) -> "EagerEngine":
     """The eager engine around `ctx.model` (with ctx's distributed wrappers around it)."""
-    module = ctx.wrap(WithLoss(ctx.model, ctx.loss, ctx.layout))
+    module = ctx.wrap(WithLoss(ctx.model, ctx.loss, ctx.layout, autocast=ctx.precision == BF16))
     return EagerEngine(module, ctx.model, ctx.loss, ctx.layout, ctx.optim, ctx.grad_clip, ctx.reduce_loss)
 
 

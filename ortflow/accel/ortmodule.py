@@ -8,6 +8,7 @@ are allowed, logged and recorded.
 """
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from ortflow.accel.engine import EngineContext, WithLoss, pad_batch, pad_eval_ba
 from ortflow.accel.extensions import ensure_built
 from ortflow.accel.none import EagerEngine
 from ortflow.accel.rewrites import DropoutMask, MaskSampler, Rewrites, draw_masks
-from ortflow.config import DebugConfig
+from ortflow.config import BF16, DebugConfig
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.ranges import ranged
@@ -132,13 +133,16 @@ class ORTModuleEngine:
     def __init__(self, ctx: EngineContext, settings: Settings) -> None:
         ensure_built()
         self.fallback = settings.fallback
-        self.session = compat.SessionSettings(
+        session = compat.SessionSettings(
             settings.intra_op_threads,
-            settings.allow_spinning and not (settings.aten_conv or settings.aten_layer_norm),
+            settings.allow_spinning,
             settings.rewrites(),
             aten_conv=settings.aten_conv,
             aten_layer_norm=settings.aten_layer_norm,
+            bf16=ctx.precision == BF16,
         )
+        # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.
+        self.session = dataclasses.replace(session, allow_spinning=session.allow_spinning and not session.torch_kernels)
         self.runs = compat.OrtRunCounter()  # this engine's own ORT runs: the proof that ORT executed
         self.graph_fixes: dict[str, int] = {}  # ortflow's fixes applied to the exported graphs
         with compat.ortmodule_construction(fallback_allowed=settings.fallback == Fallback.warn, opset=settings.opset):

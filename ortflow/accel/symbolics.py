@@ -4,6 +4,8 @@
   (accel/aten_conv.py): transposed ones always, all with `accel.aten_conv`.
 - `aten::layer_norm`: LayerNorm as an ATen node run by torch's kernels with `accel.aten_layer_norm`
   (accel/aten_layer_norm.py).
+- `aten::linear`, `aten::matmul`, `aten::bmm`, `aten::addmm`: bf16 GEMMs run by torch's kernels with
+  trainer.precision=bf16-mixed (accel/aten_gemm.py).
 - `aten::batch_norm` without running statistics (BatchNorm(track_running_stats=False)) and `aten::instance_norm`:
   torch's own need the batch and channel sizes as constants ("batch_size and channel_size must be non-None",
   "ONNX export of instance_norm for unknown channel size"), which ORTModule's export, every input dimension
@@ -25,13 +27,14 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel import aten_conv, aten_layer_norm, compat
+from ortflow.accel import aten_conv, aten_gemm, aten_layer_norm, compat
 
 
 @dataclass(frozen=True)
 class _Export:
     aten_conv: bool  # every convolution as an ATen node (transposed ones always)
     aten_layer_norm: bool = False  # every LayerNorm as an ATen node
+    bf16: bool = False  # matrix multiplies (and the ATen convolutions) computed in bf16 by torch (accel/aten_gemm.py)
 
 
 _ACTIVE: contextvars.ContextVar[_Export | None] = contextvars.ContextVar("ortflow_ort_export", default=None)
@@ -107,7 +110,7 @@ def _convolution(g, *args):
     native = compat.ort_symbolic("::_convolution") or compat.torch_symbolic("symbolic_opset9", "_convolution")
     if active is None:
         return native(g, *args)
-    return aten_conv.convolution_symbolic(active.aten_conv, native)(g, *args)
+    return aten_conv.convolution_symbolic(active.aten_conv, native, active.bf16)(g, *args)
 
 
 def _convolution_mode(g, *args):
@@ -115,7 +118,7 @@ def _convolution_mode(g, *args):
     native = compat.ort_symbolic("::_convolution_mode") or compat.torch_symbolic("symbolic_opset9", "_convolution_mode")
     if active is None or not active.aten_conv:
         return native(g, *args)
-    return aten_conv.convolution_mode_symbolic(native)(g, *args)
+    return aten_conv.convolution_mode_symbolic(native, active.bf16)(g, *args)
 
 
 def _layer_norm(g, *args):
@@ -129,7 +132,25 @@ def _layer_norm(g, *args):
     return compat.torch_symbolic("symbolic_opset17" if g.opset >= 17 else "symbolic_opset9", "layer_norm")(g, *args)
 
 
+def _gemm(name: str, bf16_symbolic: Callable[[Any], Any]) -> Callable[..., Any]:
+    """The `aten::<name>` dispatcher: accel/aten_gemm.py's bf16 ATen node in a bf16 ORT export, otherwise ORT's
+    symbolic where ORTModule registered one, else torch's own."""
+
+    def symbolic(g, *args):
+        native = compat.ort_symbolic(f"::{name}") or compat.torch_symbolic("symbolic_opset9", name)
+        active = _ACTIVE.get()
+        if active is None or not active.bf16:
+            return native(g, *args)
+        return bf16_symbolic(native)(g, *args)
+
+    return symbolic
+
+
 SYMBOLICS: dict[str, Callable[..., Any]] = {
+    "::linear": _gemm("linear", aten_gemm.linear),
+    "::matmul": _gemm("matmul", aten_gemm.matmul),
+    "::bmm": _gemm("bmm", aten_gemm.matmul),
+    "::addmm": _gemm("addmm", aten_gemm.addmm),
     "::_convolution": _convolution,
     "::_convolution_mode": _convolution_mode,
     "::batch_norm": batch_norm,
@@ -139,12 +160,12 @@ SYMBOLICS: dict[str, Callable[..., Any]] = {
 
 
 @contextlib.contextmanager
-def ort_export(opset: int, aten_conv_all: bool, aten_layer_norm: bool = False) -> Iterator[None]:
+def ort_export(opset: int, aten_conv_all: bool, aten_layer_norm: bool = False, bf16: bool = False) -> Iterator[None]:
     """Around an ORT engine's export at `opset`: ortflow's symbolics in force (registered over whatever was there at
     that opset, ORTModule's own included, which they call where they change nothing)."""
     for name, symbolic in SYMBOLICS.items():
         torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
-    token = _ACTIVE.set(_Export(aten_conv_all, aten_layer_norm))
+    token = _ACTIVE.set(_Export(aten_conv_all, aten_layer_norm, bf16))
     try:
         yield
     finally:

@@ -16,8 +16,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ortflow import accel, distributed
+from ortflow import accel, distributed, machine
 from ortflow.accel.engine import Engine, EngineContext
+from ortflow.config import AUTO, FP32
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.data.short_batches import ShortBatches
@@ -153,6 +154,7 @@ def engine_context(
         wrap=distributed.wrapper(cfg.distributed, world),
         reduce_loss=distributed.mean_across_ranks if world.size > 1 else None,
         accumulate=cfg.trainer.accumulate_grad_batches,
+        precision=machine.resolve_precision(cfg.trainer.precision),
     )
 
 
@@ -183,7 +185,9 @@ def header(cfg: DictConfig, overrides: list[str], model: nn.Module, engine: Engi
     target = str(cfg.model.get("_target_", type(model).__name__)).rsplit(".", 1)[-1]
     title = getattr(accel.engine_module(cfg.accel), "TITLE", engine.name)
     steps = f"steps {start + 1}-{cfg.trainer.max_steps}" if start else f"{cfg.trainer.max_steps} steps"
+    precision = machine.resolve_precision(cfg.trainer.precision)
     parts = [f"recipe {recipe}" if recipe else None, f"{target} ({size} parameters)", f"accel={engine.name}: {title}"]
+    parts.append(precision if cfg.trainer.precision != AUTO else f"{precision} (trainer.precision=auto)")
     return "ortflow  " + " | ".join(p for p in parts if p) + f" | {steps} | run dir {run_dir}"
 
 
@@ -282,7 +286,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
         execution["executed_by"],
         run_dir,
     )
-    return TrainOutcome({**metrics, "executed_by": execution["executed_by"], "run_dir": str(run_dir)}, model, data)
+    outcome = {**metrics, "executed_by": execution["executed_by"], "precision": results["precision"]}
+    return TrainOutcome({**outcome, "run_dir": str(run_dir)}, model, data)
 
 
 def _train(
@@ -293,7 +298,11 @@ def _train(
     model, dependence = build_checked_model(cfg, data)  # the same initial weights on every rank
     if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
         data.train = distributed.shard(data.train, world, cfg.seed)
-    results: dict[str, Any] = {"data": data.info}
+    precision = machine.resolve_precision(cfg.trainer.precision)
+    if world.is_main and (warning := machine.emulation_warning(precision)):
+        log.warning(warning)
+    results: dict[str, Any] = {"data": data.info, "precision": precision}
+    results["machine"] = machine.describe(measure_bf16=precision != FP32)
     if world.is_main:
         for name, content in data.run_files.items():  # the run's tokenizer and data manifest (ortflow-predict)
             write_bytes_atomic(run.path / name, content)

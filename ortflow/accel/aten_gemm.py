@@ -1,0 +1,158 @@
+"""Matrix multiplies computed in bf16 by torch's kernels inside ONNX Runtime's graphs (`trainer.precision=bf16-mixed`).
+
+Why: ONNX Runtime 1.19 has no bf16 MatMul/Gemm on x86 CPUs, so its graphs run every GEMM in fp32, while torch's
+bf16 GEMMs run about twice as fast as fp32 on CPUs with bf16 units (avx512_bf16, amx_bf16). As with convolutions
+(accel/aten_conv.py), an `org.pytorch.aten::ATen` node hands the operator to torch through the ATen executor.
+
+What it computes is what torch's CPU autocast does for these operators: inputs and weights rounded to bf16, the
+product accumulated by torch's bf16 kernel; ORT never sees a bf16 tensor (every node takes and returns fp32), so the
+weights, the optimizer and every other operator of the graph (softmax, normalisation, the loss) stay fp32, ORT's own.
+
+How (symbolics.py puts it in place only while an ORT engine exports with bf16):
+- forward: the exporter's `aten::linear`, `aten::matmul`, `aten::addmm` and `aten::bmm` become one ATen node running
+  `ortflow::gemm_bf16(a, b, bias, transpose_b, output_mask)`: a @ b (b transposed for linear) + bias;
+- gradient: one ATen node running `ortflow::gemm_bf16_backward`, the gradients of a and b as bf16 GEMMs (none for a
+  frozen weight: the mask says which are wanted) and the bias's summed in fp32.
+"""
+
+from typing import Any
+
+import torch
+from torch.onnx import symbolic_helper
+
+from ortflow.accel import aten_nodes
+
+OPERATOR = "ortflow::gemm_bf16"
+BACKWARD = "ortflow::gemm_bf16_backward"
+_ARGS = "Tensor a, Tensor b, Tensor? bias, bool transpose_b, bool[] output_mask"
+
+_LIBRARY = torch.library.Library("ortflow", "FRAGMENT")
+_LIBRARY.define(f"gemm_bf16({_ARGS}) -> Tensor")
+_LIBRARY.define(f"gemm_bf16_backward(Tensor grad_output, {_ARGS}) -> (Tensor, Tensor, Tensor)")
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, bias, transpose_b: bool, output_mask) -> torch.Tensor:
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    if transpose_b:  # linear: (..., in) x (out, in)
+        out = torch.nn.functional.linear(a16, b16, None if bias is None else bias.to(torch.bfloat16))
+        return out.float()
+    out = torch.matmul(a16, b16)
+    return (out if bias is None else out + bias.to(torch.bfloat16)).float()
+
+
+def _gemm_backward(grad_output: torch.Tensor, a, b, bias, transpose_b: bool, output_mask):
+    """The gradients `output_mask` asks for (of a, b, bias); None (an undefined tensor, which ORT's ATen kernel leaves
+    unset) for the others. A 2-D b (a weight) gets its gradient as one GEMM over every leading dimension of a."""
+    grad16 = grad_output.to(torch.bfloat16)
+    grad_a = grad_b = grad_bias = None
+    if output_mask[0]:
+        weight = b.to(torch.bfloat16)
+        grad_a = torch.matmul(grad16, weight if transpose_b else weight.mT).float().sum_to_size(a.shape)
+    if output_mask[1]:
+        a16 = a.to(torch.bfloat16)
+        if b.dim() == 2:
+            flat_grad, flat_a = grad16.reshape(-1, grad16.size(-1)), a16.reshape(-1, a16.size(-1))
+            grad_b = (flat_grad.t() @ flat_a) if transpose_b else (flat_a.t() @ flat_grad)
+            grad_b = grad_b.float()
+        elif transpose_b:
+            grad_b = torch.matmul(grad16.mT, a16).float().sum_to_size(b.shape)
+        else:
+            grad_b = torch.matmul(a16.mT, grad16).float().sum_to_size(b.shape)
+    if output_mask[2] and bias is not None:
+        grad_bias = grad_output.sum_to_size(bias.shape)
+    return grad_a, grad_b, grad_bias
+
+
+_LIBRARY.impl("gemm_bf16", _gemm, "CPU")
+_LIBRARY.impl("gemm_bf16_backward", _gemm_backward, "CPU")
+
+
+def gradient() -> list[tuple]:
+    """ORT's gradient definition for the forward ATen node: one ATen node, inputs GO(0) and the forward node's five
+    inputs, outputs the gradients of a, b and bias."""
+    return [
+        (
+            ("ATen", "org.pytorch.aten"),
+            ["GO(0)", *(f"I({i})" for i in range(5))],
+            ["GI(0)", "GI(1)", "GI(2)"],
+            {"operator": {"value": BACKWARD, "dtype": "string"}},
+        )
+    ]
+
+
+# a, b and bias may get a gradient; the mask is the forward node's fifth input
+aten_nodes.register(
+    aten_nodes.AtenOp(
+        OPERATOR,
+        BACKWARD,
+        differentiable=(0, 1, 2),
+        mask_input=4,
+        gradient=gradient,
+        fix_name="matmuls_run_by_torch_bf16",
+    )
+)
+
+
+def _emit(g: Any, a, b, bias, transpose_b: bool) -> Any:
+    output = g.op(
+        "org.pytorch.aten::ATen",
+        a,
+        b,
+        bias,
+        g.op("Constant", value_t=torch.tensor(transpose_b)),
+        g.op("Constant", value_t=torch.tensor([True, True, True])),  # aten_nodes.set_gradient_masks narrows it
+        operator_s=OPERATOR,
+        overload_name_s="",
+    )
+    output.setType(g.original_node.output().type())
+    return output
+
+
+def _float(value) -> bool:
+    """Whether a traced value is a float32 tensor of known rank >= 2 (the only ones made bf16 GEMMs)."""
+    rank = symbolic_helper._get_tensor_rank(value)
+    return rank is not None and rank >= 2 and value.type().scalarType() == "Float"
+
+
+def linear(native):
+    """The `aten::linear` symbolic in a bf16 export: an ATen node for a float input and weight; else `native`."""
+
+    def symbolic(g, input, weight, bias):
+        if not (_float(input) and _float(weight)) or symbolic_helper._get_tensor_rank(weight) != 2:
+            return native(g, input, weight, bias)
+        return _emit(g, input, weight, bias, True)
+
+    return symbolic
+
+
+def matmul(native):
+    """`aten::matmul` and `aten::bmm` in a bf16 export: an ATen node for float operands of rank >= 2 (1-D operands,
+    whose gradients torch reduces differently, keep `native`)."""
+
+    def symbolic(g, a, b):
+        if not (_float(a) and _float(b)):
+            return native(g, a, b)
+        return _emit(g, a, b, g.op("prim::Constant"), False)
+
+    return symbolic
+
+
+def addmm(native):
+    """`aten::addmm` (GPT-2's Conv1D: bias + x @ W) in a bf16 export: an ATen node where beta and alpha are 1."""
+
+    def symbolic(g, bias, a, b, beta, alpha):
+        ones = all(symbolic_helper._maybe_get_const(s, "f") == 1 for s in (beta, alpha))
+        if not (ones and _float(a) and _float(b) and _float_any(bias)):
+            return native(g, bias, a, b, beta, alpha)
+        return _emit(g, a, b, bias, False)
+
+    return symbolic
+
+
+def _float_any(value) -> bool:
+    return value.type().scalarType() == "Float" if value.type().kind() == "TensorType" else False
+
+
+def count(model) -> int:
+    """How many matrix multiplies of an exported graph are bf16 ATen nodes."""
+    return aten_nodes.count(model, OPERATOR)
