@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ortflow.config import DistributedConfig
+from ortflow.errors import OrtflowError
+
+T = TypeVar("T")
 
 WRAPPERS = ("accel", "ddp", "dp")
 MULTI_PROCESS = ("ddp",)  # wrappers that run one process per replica (and need torchrun)
@@ -166,6 +170,31 @@ def gather(value: object) -> list:
     values: list = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
+
+
+def from_main(make: Callable[[], T], timeout_s: float) -> T:
+    """`make()` run on rank 0 only (a slow measurement), its result handed to every rank; the other ranks wait up to
+    `timeout_s` (a group of its own: the default group's collectives time out after distributed.timeout_s)."""
+    if not dist.is_initialized():
+        return make()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    failure: BaseException | None = None
+    try:
+        box: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                box = [("ok", make())]
+            except Exception as err:  # every rank stops with it, none waits for a result that never comes
+                failure, box = err, [("failed", str(err))]
+        dist.broadcast_object_list(box, src=0, group=group)
+    finally:
+        dist.destroy_process_group(group)
+    if failure is not None:
+        raise failure
+    status, value = box[0]
+    if status != "ok":
+        raise OrtflowError(f"rank 0 failed ({value})")
+    return value
 
 
 def shard(loader: DataLoader, world: World, seed: int) -> DataLoader:

@@ -22,7 +22,7 @@ from ortflow.accel.engine import Engine, EngineContext
 from ortflow.errors import OrtflowError
 
 # The engines shipped with ortflow (their yaml files are conf/accel/<name>.yaml).
-BUILTIN = ("ortflow.accel.none", "ortflow.accel.ortmodule", "ortflow.accel.artifacts")
+BUILTIN = ("ortflow.accel.none", "ortflow.accel.ortmodule", "ortflow.accel.artifacts", "ortflow.accel.auto")
 
 
 def engine_module(accel: DictConfig) -> ModuleType:

@@ -31,7 +31,13 @@ _LIBRARY.define(f"gemm_bf16({_ARGS}) -> Tensor")
 _LIBRARY.define(f"gemm_bf16_backward(Tensor grad_output, {_ARGS}) -> (Tensor, Tensor, Tensor)")
 
 
+def _bias(bias):
+    """None for a missing bias (exported as an empty tensor: a new None input cannot be emitted)."""
+    return None if bias is None or bias.numel() == 0 else bias
+
+
 def _gemm(a: torch.Tensor, b: torch.Tensor, bias, transpose_b: bool, output_mask) -> torch.Tensor:
+    bias = _bias(bias)
     a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
     if transpose_b:  # linear: (..., in) x (out, in)
         out = torch.nn.functional.linear(a16, b16, None if bias is None else bias.to(torch.bfloat16))
@@ -43,6 +49,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias, transpose_b: bool, output_mask
 def _gemm_backward(grad_output: torch.Tensor, a, b, bias, transpose_b: bool, output_mask):
     """The gradients `output_mask` asks for (of a, b, bias); None (an undefined tensor, which ORT's ATen kernel leaves
     unset) for the others. A 2-D b (a weight) gets its gradient as one GEMM over every leading dimension of a."""
+    bias = _bias(bias)
     grad16 = grad_output.to(torch.bfloat16)
     grad_a = grad_b = grad_bias = None
     if output_mask[0]:
@@ -132,7 +139,7 @@ def matmul(native):
     def symbolic(g, a, b):
         if not (_float(a) and _float(b)):
             return native(g, a, b)
-        return _emit(g, a, b, g.op("prim::Constant"), False)
+        return _emit(g, a, b, g.op("Constant", value_t=torch.zeros(0)), False)  # no bias: an empty tensor
 
     return symbolic
 

@@ -53,6 +53,8 @@ class EngineContext:
     reduce_loss: Callable[[float], float] | None = None
     accumulate: int = 1
     precision: str = FP32
+    config: Any = None  # the whole run config (accel=auto reads the other engines' checks from it)
+    resumed_choice: dict[str, Any] | None = None  # accel=auto's choice recorded in the checkpoint being resumed
 
     @property
     def layout(self) -> Layout:

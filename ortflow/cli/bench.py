@@ -19,6 +19,7 @@ finished and `--resume FILE` runs only the rest. Other libraries' notices go to 
     ortflow-bench --sweep model.d_model=128,256,512 model.num_layers=4   # scaling with model width: table, PNG
     ortflow-bench --sweep model.d_model=64,128,256 --sweep data.batch_size=16,32,64   # one PNG, a panel per sweep
     ortflow-bench --resume outputs/bench/2026-11-24_10-00-00.json   # continue a stopped bench
+    ortflow-bench --precision fp32,bf16-mixed        # every mode in each precision (trainer.precision)
     ortflow-bench --profile                          # top operators per step: ORT's profiler beside torch.profiler
     ortflow-bench --modes 'none,ortmodule,ortmodule:accel.rewrite_gathers=false;accel.allow_spinning=true'
                                                      # a mode with its own overrides: before/after in one run
@@ -43,6 +44,8 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from ortflow import machine
+from ortflow.config import BF16, FP32
 from ortflow.report import terminal
 from ortflow.report.bench_tables import Reporter, profile_table, short, summarize, table
 from ortflow.report.plots import plot_scaling
@@ -118,7 +121,7 @@ class Measurement:
 def plan(args: argparse.Namespace) -> list[Measurement]:
     """Every measurement of the bench in the order they run: per setting, the modes alternate, each repeat
     starting one mode later (no mode always runs first); --profile measures each mode once."""
-    modes = args.modes.split(",")
+    modes = mode_specs(args)
     repeats = 1 if args.profile else args.repeats
     out = []
     for setting in settings_of(args):
@@ -126,6 +129,20 @@ def plan(args: argparse.Namespace) -> list[Measurement]:
             for mode in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:
                 out.append(Measurement(len(out) + 1, setting, mode, repeat + 1, repeats))
     return out
+
+
+def mode_specs(args: argparse.Namespace) -> list[str]:
+    """--modes, each in every --precision: `mode` for fp32 (or no --precision), `mode:trainer.precision=P` else."""
+    modes = args.modes.split(",")
+    precisions = args.precision.split(",") if args.precision else [FP32]
+    specs = []
+    for precision in precisions:
+        for mode in modes:
+            if precision == FP32:
+                specs.append(mode)
+            else:
+                specs.append(f"{mode}{';' if ':' in mode else ':'}trainer.precision={precision}")
+    return specs
 
 
 def settings_of(args: argparse.Namespace) -> list[str]:
@@ -228,6 +245,13 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
         help="timed steps per pass, instead of choosing them from --budget",
     )
     arg("--warmup", type=int, default=2, metavar="N", help="untimed steps after the first one (default 2)")
+    arg(
+        "--precision",
+        default=None,
+        metavar="P1,P2",
+        help="measure every mode in each of these trainer.precision values (fp32, bf16-mixed); the table gives each "
+        "mode's ratio to eager fp32 and to eager in the same precision",
+    )
     arg("--repeats", type=int, default=2, metavar="N", help="measurements per mode, modes alternating (default 2)")
     arg(
         "--sweep",
@@ -276,6 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for override in args.overrides:
         if "=" not in override and not override.startswith("~"):
             p.error(f"{override}: overrides are KEY=VALUE (e.g. model.num_layers=4); --sweep takes KEY=V1,V2,...")
+    if args.precision and (wrong := [p for p in args.precision.split(",") if p not in (FP32, BF16)]):
+        p.error(f"--precision: unknown precision(s) {wrong}; choose from {FP32},{BF16}")
     unknown = sorted({m for m in args.modes.split(",") if m.partition(":")[0] not in MODES})
     if unknown:
         p.error(f"--modes: unknown mode(s) {unknown}; choose from {','.join(MODES)}")
@@ -505,7 +531,7 @@ def check_configs(args: argparse.Namespace) -> None:
 
     register_configs()
     for setting in settings_of(args):
-        for spec in args.modes.split(","):
+        for spec in mode_specs(args):
             mode, _, own = spec.partition(":")
             accel = "none" if mode == "compile" else mode
             try:
@@ -517,23 +543,12 @@ def check_configs(args: argparse.Namespace) -> None:
                 raise SystemExit(f"ortflow-bench: error: {where}: {err}") from None
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo, with AVX-512 noted: it decides which runtime's matmuls are
-    faster), else what `platform` knows."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
-    name = fields.get("model name", platform.machine())
-    return f"{name}, AVX-512" if "avx512f" in fields.get("flags", "").split() else name
-
-
 def describe_machine(machine: dict[str, Any]) -> str:
+    flags = [f for f in machine.get("flags", []) if f.startswith(("avx512", "amx", "bf16"))]
+    bf16 = f", bf16 matmul {machine['bf16_matmul_speedup']:.2f}x fp32" if "bf16_matmul_speedup" in machine else ""
     return (
-        f"{machine['cpu']} ({machine['cpu_count']} cores), torch {machine['torch']}, "
-        f"onnxruntime {machine['onnxruntime']}"
+        f"{machine['cpu']} ({machine['cpu_count']} cores{', ' + ' '.join(flags) if flags else ''}{bf16}), "
+        f"torch {machine['torch']}, onnxruntime {machine['onnxruntime']}"
     )
 
 
@@ -541,7 +556,7 @@ def machine_facts() -> dict[str, Any]:
     import onnxruntime
 
     return {
-        "cpu": cpu_name(),
+        **machine.describe(measure_bf16=True),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "onnxruntime": onnxruntime.__version__,

@@ -56,7 +56,24 @@ def summarize(runs: list[dict[str, Any]], peak_gflops: float) -> list[dict[str, 
         for r in rows:
             if r["setting"] == setting and eager and "error" not in r:
                 r["vs_eager"] = r["samples_per_s"] / eager["samples_per_s"]
+            precision = precision_of(r["mode"])
+            same = f"none:trainer.precision={precision}"
+            if r["setting"] == setting and precision and "error" not in r:
+                twin = next(
+                    (e for e in rows if e["setting"] == setting and e["mode"] == same and "error" not in e), None
+                )
+                if twin is not None:
+                    r["vs_eager_same_precision"] = r["samples_per_s"] / twin["samples_per_s"]
     return rows
+
+
+def precision_of(mode: str) -> str | None:
+    """The trainer.precision a mode spec sets (`ortmodule:trainer.precision=bf16-mixed`), None when it sets none."""
+    for override in mode.partition(":")[2].split(";"):
+        key, _, value = override.partition("=")
+        if key == "trainer.precision":
+            return value
+    return None
 
 
 def table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -66,6 +83,7 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
         "mode",
         "samples/s (min-max)",
         "x eager",
+        "x eager same prec.",
         "timed steps",
         "first step",
         "peak RSS",
@@ -84,6 +102,7 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
             r["mode"],
             f"{r['samples_per_s']:.0f} ({r['samples_per_s_min']:.0f}-{r['samples_per_s_max']:.0f})",
             f"{r['vs_eager']:.2f}" if "vs_eager" in r else "-",
+            f"{r['vs_eager_same_precision']:.2f}" if "vs_eager_same_precision" in r else "-",
             f"{r['passes']} x {r['steps']:.0f}" if r.get("passes") else "-",
             f"{r['first_step_s']:.1f} s",
             f"{r['peak_rss_mb']:.0f} MB",

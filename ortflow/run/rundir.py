@@ -261,6 +261,10 @@ class RunDir:
         log.info("resumed from %s at step %d (written by accel=%s)", path, state.step, payload["accel"])
         return engine, state
 
+    def resumed_choice(self) -> dict[str, Any] | None:
+        """The engine choice (accel=auto's) recorded in the checkpoint this run resumes from, if any."""
+        return self.source[1].get("engine_choice") if self.source is not None else None
+
     def save(self, state: LoopState) -> str:
         """The loop's checkpoint callback: the run's full state to checkpoints/step-NNNNNNNN.pt (rank 0 only; the
         other ranks hold the same state), pruned to the newest `keep`. Returns the checkpoint's path."""
@@ -281,6 +285,7 @@ class RunDir:
                 "loop": dataclasses.asdict(state),
                 "config": self.config,
                 "data_identity": self.data_identity,
+                "engine_choice": getattr(self._engine, "choice", None),  # accel=auto's: a resume keeps it
             }
         )
         checkpoint.write_atomic(payload, path)

@@ -138,7 +138,12 @@ def build_checked_model(cfg: DictConfig, data: Data) -> tuple[nn.Module, BatchDe
 
 
 def engine_context(
-    cfg: DictConfig, model: nn.Module, data: Data, run_dir: Path, world: World | None = None
+    cfg: DictConfig,
+    model: nn.Module,
+    data: Data,
+    run_dir: Path,
+    world: World | None = None,
+    resumed_choice: dict[str, Any] | None = None,
 ) -> EngineContext:
     """What every engine is built from: the model, an example batch, the optim/clip/debug settings, where to write
     ONNX files, and the distributed wrappers (DDP) to put outside the engine's own."""
@@ -155,12 +160,21 @@ def engine_context(
         reduce_loss=distributed.mean_across_ranks if world.size > 1 else None,
         accumulate=cfg.trainer.accumulate_grad_batches,
         precision=machine.resolve_precision(cfg.trainer.precision),
+        config=cfg,
+        resumed_choice=resumed_choice,
     )
 
 
-def build_engine(cfg: DictConfig, model: nn.Module, data: Data, run_dir: Path, world: World | None = None) -> Engine:
+def build_engine(
+    cfg: DictConfig,
+    model: nn.Module,
+    data: Data,
+    run_dir: Path,
+    world: World | None = None,
+    resumed_choice: dict[str, Any] | None = None,
+) -> Engine:
     """The engine `accel._target_` names, around `model` (the loop never sees which one it is)."""
-    return accel.build(cfg.accel, engine_context(cfg, model, data, run_dir, world))
+    return accel.build(cfg.accel, engine_context(cfg, model, data, run_dir, world, resumed_choice))
 
 
 def hparams_from(overrides: list[str], cfg: DictConfig, engine: str) -> dict[str, Any]:
@@ -183,12 +197,20 @@ def header(cfg: DictConfig, overrides: list[str], model: nn.Module, engine: Engi
     params = sum(p.numel() for p in model.parameters())
     size = f"{params / 1e6:.2f}M" if params >= 1e5 else f"{params / 1e3:.1f}K"
     target = str(cfg.model.get("_target_", type(model).__name__)).rsplit(".", 1)[-1]
-    title = getattr(accel.engine_module(cfg.accel), "TITLE", engine.name)
+    choice = getattr(engine, "choice", None)  # accel=auto's
+    title = choice["title"] if choice else getattr(accel.engine_module(cfg.accel), "TITLE", engine.name)
+    mode = f"accel=auto -> {engine.name}" if choice else f"accel={engine.name}"
     steps = f"steps {start + 1}-{cfg.trainer.max_steps}" if start else f"{cfg.trainer.max_steps} steps"
-    precision = machine.resolve_precision(cfg.trainer.precision)
-    parts = [f"recipe {recipe}" if recipe else None, f"{target} ({size} parameters)", f"accel={engine.name}: {title}"]
+    precision = engine_precision(cfg, engine)
+    parts = [f"recipe {recipe}" if recipe else None, f"{target} ({size} parameters)", f"{mode}: {title}"]
     parts.append(precision if cfg.trainer.precision != AUTO else f"{precision} (trainer.precision=auto)")
     return "ortflow  " + " | ".join(p for p in parts if p) + f" | {steps} | run dir {run_dir}"
+
+
+def engine_precision(cfg: DictConfig, engine: Engine) -> str:
+    """The precision the engine trains in: accel=auto's choice, else trainer.precision (auto resolved by the CPU)."""
+    choice = getattr(engine, "choice", None)
+    return choice["precision"] if choice else machine.resolve_precision(cfg.trainer.precision)
 
 
 def _config_dict(cfg: DictConfig) -> dict[str, Any]:
@@ -298,11 +320,7 @@ def _train(
     model, dependence = build_checked_model(cfg, data)  # the same initial weights on every rank
     if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
         data.train = distributed.shard(data.train, world, cfg.seed)
-    precision = machine.resolve_precision(cfg.trainer.precision)
-    if world.is_main and (warning := machine.emulation_warning(precision)):
-        log.warning(warning)
-    results: dict[str, Any] = {"data": data.info, "precision": precision}
-    results["machine"] = machine.describe(measure_bf16=precision != FP32)
+    results: dict[str, Any] = {"data": data.info}
     if world.is_main:
         for name, content in data.run_files.items():  # the run's tokenizer and data manifest (ortflow-predict)
             write_bytes_atomic(run.path / name, content)
@@ -311,13 +329,17 @@ def _train(
     batches = ResumableBatches(train_loader)
     engine, state = run.start(
         model,
-        lambda m: build_engine(cfg, m, data, run.path, world),
+        lambda m: build_engine(cfg, m, data, run.path, world, run.resumed_choice()),
         batches,
         cfg.trainer.max_steps,
         {"fingerprint": data.fingerprint, "tokenizer": data.tokenizer},
         cfg.trainer.allow_data_change,
     )
     start = state.step if state else 0
+    precision = results["precision"] = engine_precision(cfg, engine)
+    results["machine"] = machine.describe(measure_bf16=precision != FP32)
+    if world.is_main and (warning := machine.emulation_warning(precision)):
+        log.warning(warning)
     logger = RunLogger(
         run.path,
         cfg.logger,
