@@ -202,7 +202,7 @@ def cache_key(ctx: EngineContext, names: list[str], precisions: list[str], setti
         "model": repr(ctx.model),
         "parameters": [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in ctx.model.named_parameters()],
         "inputs": [(list(t.shape), str(t.dtype)) for t in (*flat, targets)],
-        "loss": repr(ctx.loss),
+        "loss": _describe(ctx.loss),
         "optim": OmegaConf.to_container(ctx.optim, enum_to_str=True)
         if isinstance(ctx.optim, DictConfig)
         else repr(ctx.optim),
@@ -215,6 +215,15 @@ def cache_key(ctx: EngineContext, names: list[str], precisions: list[str], setti
         "machine": machine.describe(),
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _describe(obj: Any) -> str:
+    """An object's class and settings, without the memory address a default repr carries."""
+    text = repr(obj)
+    if " at 0x" in text:
+        settings = {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+        text = f"{type(obj).__module__}.{type(obj).__qualname__}({json.dumps(settings, sort_keys=True, default=str)})"
+    return text
 
 
 def cache_dir() -> Path:
@@ -306,8 +315,7 @@ class AutoEngine:
 
 def build(ctx: EngineContext, **settings: Any) -> AutoEngine:
     if ctx.resumed_choice and ctx.resumed_choice.get("accel") in ENGINES:
-        choice = dict(ctx.resumed_choice)
-        choice["resumed"] = True
+        choice = {**ctx.resumed_choice, "resumed": True}
         probes: list[dict[str, Any]] = []
         log.warning(
             "accel=auto: keeping the choice of the run being resumed: accel=%s, trainer.precision=%s (no probe)",
@@ -334,4 +342,5 @@ def build(ctx: EngineContext, **settings: Any) -> AutoEngine:
         engine = ENGINES[name].build(dataclasses.replace(ctx, precision=precision), **_settings_for(name, settings))
     except OrtflowError as err:
         raise ConfigError(f"accel=auto chose accel={name}, which then failed to build: {err}") from err
-    return AutoEngine(engine, {"accel": name, "precision": precision, "title": ENGINES[name].TITLE}, probes)
+    choice = {**choice, "title": ENGINES[name].TITLE}
+    return AutoEngine(engine, choice, probes)
