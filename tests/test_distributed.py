@@ -285,3 +285,18 @@ def test_torchrun_started_by_hand_shares_one_run_dir(tmp_path):
     assert sorted(p.name for p in (tmp_path / "outputs").rglob("*") if p.parent.parent == tmp_path / "outputs") == [
         run_dir.name
     ]
+
+
+@pytest.mark.slow
+def test_under_ddp_rank_0_probes_for_accel_auto_and_every_rank_trains_with_its_choice_in_bf16(tmp_path):
+    args = [*SMALL, "trainer.max_steps=3", "accel=auto", "accel.probe_steps=1", "trainer.precision=bf16-mixed"]
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = run_cli(*args, "distributed=ddp", "hydra.run.dir=run", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = record(tmp_path / "run")["engine"]
+    choice = info["auto"]["choice"]
+    assert choice["precision"] == "bf16-mixed" and choice["accel"] in ("none", "ortmodule")
+    assert {p["engine"] for p in info["auto"]["probes"]} == {"none", "ortmodule"}  # artifacts has no DDP
+    executed = "onnxruntime" if choice["accel"] == "ortmodule" else "pytorch"
+    assert info["ranks_executed_by"] == [executed, executed] and info["replicas_identical"]
+    assert result.stdout.count("accel=auto chose") + result.stderr.count("accel=auto chose") == 1  # one probe

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -62,8 +63,10 @@ def test_bf16_in_the_ort_engines_stays_within_eager_bf16s_own_distance_from_fp32
     floor = np.abs(eager_bf16 - eager_fp32).max()
     assert floor > 0  # bf16 really computed something else than fp32
     for mode in ("ortmodule", "artifacts"):
-        metrics, run_dir = run(tmp_path, mode, f"accel={mode}", "trainer.precision=bf16-mixed")
+        metrics, run_dir = run(tmp_path, mode, f"accel={mode}", "trainer.precision=bf16-mixed", "export.onnx=true")
         record = json.loads((run_dir / "run.json").read_text())
+        # export.onnx is the fp32 inference graph, ORT's own operators only (checked against torch by the run).
+        assert not any(n.op_type == "ATen" for n in onnx.load(str(run_dir / "model.onnx")).graph.node)
         assert record["precision"] == "bf16-mixed" and metrics["precision"] == "bf16-mixed"
         assert record["engine"]["ort_train_steps"] == 4 and metrics["executed_by"] == "onnxruntime"
         assert record["engine"]["graph_fixes"]["matmuls_run_by_torch_bf16"] >= 4  # attention, feed-forward, head
