@@ -144,6 +144,12 @@ def ort_symbolic(name: str):
     return None if registry is None else registry.CustomOpSymbolicRegistry._SYMBOLICS.get(name)
 
 
+def ort_symbolic_names() -> list[str]:
+    """The operators ORTModule has symbolics for (none before ORTModule is imported)."""
+    registry = sys.modules.get("onnxruntime.training.ortmodule._custom_op_symbolic_registry")
+    return [] if registry is None else list(registry.CustomOpSymbolicRegistry._SYMBOLICS)
+
+
 def register_ort_gradient(operator: str, overload: str, definition) -> None:
     """Give ORT's gradient builder the gradient `definition()` of `org.pytorch.aten::ATen` nodes running `operator`
     (ORTModule's custom gradient registry, the format of its _custom_gradient_registry.py), and publish the registry

@@ -38,6 +38,8 @@ class _Export:
 
 
 _ACTIVE: contextvars.ContextVar[_Export | None] = contextvars.ContextVar("ortflow_ort_export", default=None)
+# Inside `torch_only_export`: every operator by torch's own symbolic (an inference graph any ONNX runtime can run).
+_TORCH_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("ortflow_torch_only_export", default=False)
 
 
 def _torch_batch_norm(g, *args):
@@ -157,6 +159,43 @@ SYMBOLICS: dict[str, Callable[..., Any]] = {
     "::instance_norm": instance_norm,
     "::layer_norm": _layer_norm,
 }
+
+
+def _own_torch_symbolic(name: str, opset: int):
+    """torch's own symbolic for `::name` at `opset` (the newest opset module defining it), or None."""
+    for version in range(opset, 8, -1):
+        try:
+            return compat.torch_symbolic(f"symbolic_opset{version}", name.removeprefix("::"))
+        except AttributeError:
+            continue
+    return None
+
+
+def _torch_only_dispatcher(name: str, opset: int, otherwise: Callable[..., Any]) -> Callable[..., Any]:
+    def symbolic(g, *args):
+        if _TORCH_ONLY.get() and (own := _own_torch_symbolic(name, opset)) is not None:
+            return own(g, *args)
+        return otherwise(g, *args)
+
+    return symbolic
+
+
+@contextlib.contextmanager
+def torch_only_export(opset: int) -> Iterator[None]:
+    """Around ortflow's inference export (export.onnx): torch's own symbolics for the operators ORTModule registers
+    its own for (its ATen embedding, ...) and for ortflow's, so the file holds standard ONNX operators only. What is
+    registered stays a dispatcher: outside this context it calls what ran before (ORT's, or ortflow's)."""
+    names = {name for name in compat.ort_symbolic_names() if name.startswith("::")}
+    for name in names - set(SYMBOLICS):
+        ort = compat.ort_symbolic(name)
+        torch.onnx.register_custom_op_symbolic(name, _torch_only_dispatcher(name, opset, ort), opset)
+    for name, symbolic in SYMBOLICS.items():
+        torch.onnx.register_custom_op_symbolic(name, _torch_only_dispatcher(name, opset, symbolic), opset)
+    token = _TORCH_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _TORCH_ONLY.reset(token)
 
 
 @contextlib.contextmanager

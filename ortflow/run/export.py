@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ortflow.accel import symbolics
 from ortflow.data import Data
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.step.batch import Layout, layout_of, split_batch
@@ -56,7 +57,7 @@ def inference_onnx(
     path = run_dir / FILE
     wrapped = InferenceModel(model, layout).eval()  # torch.onnx.export restores the mode it found: keep eval
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), symbolics.torch_only_export(opset):
             warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
             torch.onnx.export(
                 wrapped,
