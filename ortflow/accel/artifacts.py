@@ -67,10 +67,15 @@ class Settings:
     # convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-waiting is then off whatever
     # allow_spinning says: spinning ORT threads would compete with torch's.
     aten_conv: bool = True
-    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_layer_norm.py). Off by default:
-    # it was slower at d_model 128 (-10 to -15%), even at 512, and spin-waiting is then off too; on, it lowers
-    # artifacts' peak memory (README, Performance: -410 MB at d_model 512).
-    aten_layer_norm: bool = False
+    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_layer_norm.py). null: on with
+    # trainer.precision=bf16-mixed (torch's kernels already run in the graph and ORT's single-threaded
+    # LayerNormalizationGrad is then the largest cost left), off in fp32, where it was slower at d_model 128 (-10 to
+    # -15%), no faster at 512, and turns spin-waiting off; on, it lowers artifacts' peak memory (-410 MB at d_model
+    # 512).
+    aten_layer_norm: bool | None = None
+
+    def layer_norm_by_torch(self, precision: str) -> bool:
+        return self.aten_layer_norm if self.aten_layer_norm is not None else precision == BF16
 
     def rewrites(self) -> Rewrites:
         return Rewrites(
@@ -232,7 +237,9 @@ class ArtifactsEngine:
             compat.quiet_export(),
             _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export"),
             training_forward_probe(model),  # the export traces one training forward: its BatchNorm update is undone
-            symbolics.ort_export(accel.opset, accel.aten_conv, accel.aten_layer_norm, ctx.precision == BF16),
+            symbolics.ort_export(
+                accel.opset, accel.aten_conv, accel.layer_norm_by_torch(ctx.precision), ctx.precision == BF16
+            ),
         ):
             compat.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
         forward = onnx.load(str(forward_path))

@@ -73,10 +73,15 @@ class Settings:
     # convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-waiting is then off whatever
     # allow_spinning says: spinning ORT threads would compete with torch's.
     aten_conv: bool = True
-    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_layer_norm.py). Off by default:
-    # it was slower at d_model 128 (-10 to -15%), even at 512, and spin-waiting is then off too; on, it lowers
-    # artifacts' peak memory (README, Performance: -410 MB at d_model 512).
-    aten_layer_norm: bool = False
+    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_layer_norm.py). null: on with
+    # trainer.precision=bf16-mixed (torch's kernels already run in the graph and ORT's single-threaded
+    # LayerNormalizationGrad is then the largest cost left), off in fp32, where it was slower at d_model 128 (-10 to
+    # -15%), no faster at 512, and turns spin-waiting off; on, it lowers artifacts' peak memory (-410 MB at d_model
+    # 512).
+    aten_layer_norm: bool | None = None
+
+    def layer_norm_by_torch(self, precision: str) -> bool:
+        return self.aten_layer_norm if self.aten_layer_norm is not None else precision == BF16
 
     def rewrites(self) -> Rewrites:
         return Rewrites(gathers=self.rewrite_gathers, relu=self.rewrite_relu)
@@ -138,7 +143,7 @@ class ORTModuleEngine:
             settings.allow_spinning,
             settings.rewrites(),
             aten_conv=settings.aten_conv,
-            aten_layer_norm=settings.aten_layer_norm,
+            aten_layer_norm=settings.layer_norm_by_torch(ctx.precision),
             bf16=ctx.precision == BF16,
         )
         # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.
