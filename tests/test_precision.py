@@ -40,16 +40,17 @@ def test_the_bf16_gemm_node_computes_what_autocast_computes_forward_and_backward
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = F.linear(x, w, b)
     expected.float().backward(grad)
-    out = torch.ops.ortflow.gemm_bf16(x.detach(), w.detach(), b.detach(), True, [True, True, True])
+    out, x16, w16 = torch.ops.ortflow.gemm_bf16(x.detach(), w.detach(), b.detach(), True, [True, True, True])
     torch.testing.assert_close(out, expected.float(), rtol=0, atol=0)  # the same bf16 kernel, the same rounding
-    gx, gw, gb = torch.ops.ortflow.gemm_bf16_backward(grad, x.detach(), w.detach(), b.detach(), True, [True] * 3)
+    assert x16.dtype == w16.dtype == torch.bfloat16  # the copies the gradient node takes
+    gx, gw, gb = torch.ops.ortflow.gemm_bf16_backward(grad, x16, w16, b.detach(), True, [True] * 3)
     for mine, theirs in ((gx, x.grad), (gw, w.grad), (gb, b.grad)):
         assert mine.dtype == torch.float32
         torch.testing.assert_close(mine, theirs, rtol=2e-2, atol=2e-2)  # bf16 GEMMs on both sides
     # A frozen weight gets no weight-gradient GEMM; a batched matmul's gradients reduce to its operands' shapes.
-    gx, gw, gb = torch.ops.ortflow.gemm_bf16_backward(grad, x.detach(), w.detach(), b.detach(), True, [True, False, 0])
+    gx, gw, gb = torch.ops.ortflow.gemm_bf16_backward(grad, x16, w16, b.detach(), True, [True, False, False])
     assert gw is None and gb is None and gx.shape == x.shape
-    a, m = torch.randn(2, 4, 6, generator=gen), torch.randn(1, 6, 3, generator=gen)
+    a, m = torch.randn(2, 4, 6, generator=gen).bfloat16(), torch.randn(1, 6, 3, generator=gen).bfloat16()
     ga, gm, _ = torch.ops.ortflow.gemm_bf16_backward(torch.ones(2, 4, 3), a, m, torch.zeros(0), False, [True] * 3)
     assert ga.shape == a.shape and gm.shape == m.shape
 

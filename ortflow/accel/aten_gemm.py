@@ -27,8 +27,11 @@ BACKWARD = "ortflow::gemm_bf16_backward"
 _ARGS = "Tensor a, Tensor b, Tensor? bias, bool transpose_b, bool[] output_mask"
 
 _LIBRARY = torch.library.Library("ortflow", "FRAGMENT")
-_LIBRARY.define(f"gemm_bf16({_ARGS}) -> Tensor")
-_LIBRARY.define(f"gemm_bf16_backward(Tensor grad_output, {_ARGS}) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.define(f"gemm_bf16({_ARGS}) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.define(
+    "gemm_bf16_backward(Tensor grad_output, Tensor a16, Tensor b16, Tensor? bias, bool transpose_b, bool[] output_mask)"
+    " -> (Tensor, Tensor, Tensor)"
+)
 
 
 def _bias(bias):
@@ -36,35 +39,38 @@ def _bias(bias):
     return None if bias is None or bias.numel() == 0 else bias
 
 
-def _gemm(a: torch.Tensor, b: torch.Tensor, bias, transpose_b: bool, output_mask) -> torch.Tensor:
+def _gemm(a: torch.Tensor, b: torch.Tensor, bias, transpose_b: bool, output_mask):
+    """a @ b (b transposed: a linear layer) + bias on bf16 copies, in fp32; and the copies, which the gradient node
+    takes instead of a and b (ORT keeps them, half the bytes, and frees the fp32 ones sooner; each weight is cast
+    once per step)."""
     bias = _bias(bias)
     a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
     if transpose_b:  # linear: (..., in) x (out, in)
         out = torch.nn.functional.linear(a16, b16, None if bias is None else bias.to(torch.bfloat16))
-        return out.float()
+        return out.float(), a16, b16
     out = torch.matmul(a16, b16)
-    return (out if bias is None else out + bias.to(torch.bfloat16)).float()
+    return (out if bias is None else out + bias.to(torch.bfloat16)).float(), a16, b16
 
 
-def _gemm_backward(grad_output: torch.Tensor, a, b, bias, transpose_b: bool, output_mask):
-    """The gradients `output_mask` asks for (of a, b, bias); None (an undefined tensor, which ORT's ATen kernel leaves
-    unset) for the others. A 2-D b (a weight) gets its gradient as one GEMM over every leading dimension of a."""
+def _gemm_backward(grad_output: torch.Tensor, a16, b16, bias, transpose_b: bool, output_mask):
+    """The gradients `output_mask` asks for (of a, b, bias) from the forward's bf16 copies of a and b; None (an
+    undefined tensor, which ORT's ATen kernel leaves unset) for the others. A 2-D b (a weight) gets its gradient as one
+    GEMM over every leading dimension of a."""
     bias = _bias(bias)
     grad16 = grad_output.to(torch.bfloat16)
     grad_a = grad_b = grad_bias = None
     if output_mask[0]:
-        weight = b.to(torch.bfloat16)
-        grad_a = torch.matmul(grad16, weight if transpose_b else weight.mT).float().sum_to_size(a.shape)
+        weight = b16
+        grad_a = torch.matmul(grad16, weight if transpose_b else weight.mT).float().sum_to_size(a16.shape)
     if output_mask[1]:
-        a16 = a.to(torch.bfloat16)
-        if b.dim() == 2:
+        if b16.dim() == 2:
             flat_grad, flat_a = grad16.reshape(-1, grad16.size(-1)), a16.reshape(-1, a16.size(-1))
             grad_b = (flat_grad.t() @ flat_a) if transpose_b else (flat_a.t() @ flat_grad)
             grad_b = grad_b.float()
         elif transpose_b:
-            grad_b = torch.matmul(grad16.mT, a16).float().sum_to_size(b.shape)
+            grad_b = torch.matmul(grad16.mT, a16).float().sum_to_size(b16.shape)
         else:
-            grad_b = torch.matmul(a16.mT, grad16).float().sum_to_size(b.shape)
+            grad_b = torch.matmul(a16.mT, grad16).float().sum_to_size(b16.shape)
     if output_mask[2] and bias is not None:
         grad_bias = grad_output.sum_to_size(bias.shape)
     return grad_a, grad_b, grad_bias
@@ -75,12 +81,12 @@ _LIBRARY.impl("gemm_bf16_backward", _gemm_backward, "CPU")
 
 
 def gradient() -> list[tuple]:
-    """ORT's gradient definition for the forward ATen node: one ATen node, inputs GO(0) and the forward node's five
-    inputs, outputs the gradients of a, b and bias."""
+    """ORT's gradient definition for the forward ATen node: one ATen node, inputs GO(0), the forward node's bf16 copies
+    of a and b (its outputs 1 and 2), its bias, transpose flag and mask; outputs the gradients of a, b and bias."""
     return [
         (
             ("ATen", "org.pytorch.aten"),
-            ["GO(0)", *(f"I({i})" for i in range(5))],
+            ["GO(0)", "O(1)", "O(2)", "I(2)", "I(3)", "I(4)"],
             ["GI(0)", "GI(1)", "GI(2)"],
             {"operator": {"value": BACKWARD, "dtype": "string"}},
         )
@@ -101,7 +107,7 @@ aten_nodes.register(
 
 
 def _emit(g: Any, a, b, bias, transpose_b: bool) -> Any:
-    output = g.op(
+    output, a16, b16 = g.op(
         "org.pytorch.aten::ATen",
         a,
         b,
@@ -110,8 +116,11 @@ def _emit(g: Any, a, b, bias, transpose_b: bool) -> Any:
         g.op("Constant", value_t=torch.tensor([True, True, True])),  # aten_nodes.set_gradient_masks narrows it
         operator_s=OPERATOR,
         overload_name_s="",
+        outputs=3,
     )
     output.setType(g.original_node.output().type())
+    a16.setType(a.type().with_dtype(torch.bfloat16))
+    b16.setType(b.type().with_dtype(torch.bfloat16))
     return output
 
 
