@@ -24,13 +24,17 @@ class Planned(Protocol):
     def label(self) -> str: ...
 
 
-def summarize(runs: list[dict[str, Any]], peak_gflops: float) -> list[dict[str, Any]]:
-    """One row per (setting, mode): medians over repeats and the ratio to eager in the same setting."""
+def summarize(
+    runs: list[dict[str, Any]], peak_gflops: float, bf16_peak_gflops: float | None = None
+) -> list[dict[str, Any]]:
+    """One row per (setting, mode): medians over repeats and the ratio to eager in the same setting (and to eager in
+    the same trainer.precision); MFU against the fp32 matmul peak, or the bf16 one for bf16-mixed rows."""
     rows = []
     for setting in dict.fromkeys(r["setting"] for r in runs):
         mine = [r for r in runs if r["setting"] == setting]
         for mode in dict.fromkeys(r["mode"] for r in mine):
             ok = [r for r in mine if r["mode"] == mode and "error" not in r]
+            peak = bf16_peak_gflops if precision_of(mode) == "bf16-mixed" and bf16_peak_gflops else peak_gflops
             row: dict[str, Any] = {"setting": setting, "mode": mode, "repeats": len(ok)}
             if not ok:
                 row["error"] = next(r["error"] for r in mine if r["mode"] == mode)
@@ -49,7 +53,7 @@ def summarize(runs: list[dict[str, Any]], peak_gflops: float) -> list[dict[str, 
                 "peak_rss_mb": max(r["peak_rss_mb"] for r in ok),
                 "runner_overhead": statistics.median(r["runner_overhead"] for r in ok),
                 "loop_outside_engine": statistics.median(r["loop_outside_engine"] for r in ok),
-                "mfu": ok[0]["flops_per_step"] * median / ok[0]["batch_size"] / (peak_gflops * 1e9),
+                "mfu": ok[0]["flops_per_step"] * median / ok[0]["batch_size"] / (peak * 1e9),
             }
             rows.append(row)
         eager = next((r for r in rows if r["setting"] == setting and r["mode"] == "none" and "error" not in r), None)
