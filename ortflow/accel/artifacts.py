@@ -151,12 +151,12 @@ class OutputForLoss(nn.Module):
     """Exported when ORT has a loss block for the loss: the model's output in the layout that block takes (for
     cross-entropy, logits flattened to (N, C), as ORT's SoftmaxCrossEntropyLoss expects)."""
 
-    def __init__(self, model: nn.Module, loss: Loss, layout: Layout) -> None:
+    def __init__(self, model: nn.Module, loss: Loss, layout: Layout, targets: torch.Tensor) -> None:
         super().__init__()
-        self.model, self.loss, self.layout = model, loss, layout
+        self.model, self.loss, self.layout, self.targets = model, loss, layout, targets  # targets: their shape
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.loss.flat_output(self.layout.call(self.model, inputs))
+        return self.loss.flat_output(self.layout.call(self.model, inputs), self.targets)
 
 
 class OutputAndLoss(nn.Module):
@@ -223,7 +223,11 @@ class ArtifactsEngine:
         self.loss_block = self.loss.ort_block() if self.accumulate == 1 else None
         names = [f"input_{i}" for i in range(len(example_inputs))] if len(example_inputs) > 1 else ["input"]
         if self.loss_block is not None:  # ORT's own loss block on the exported output
-            exported, args, outputs = OutputForLoss(model, self.loss, self.layout), example_inputs, ["output"]
+            exported, args, outputs = (
+                OutputForLoss(model, self.loss, self.layout, example_targets),
+                example_inputs,
+                ["output"],
+            )
         else:  # the loss is exported with the model
             scaled = OutputAndLoss(model, self.loss, self.layout, 1.0 / self.accumulate)
             exported, args = scaled, (*example_inputs, example_targets)

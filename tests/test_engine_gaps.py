@@ -1,0 +1,50 @@
+"""Models that once failed in an ORT engine: torch's segmentation loss layout, ops ORT cannot differentiate,
+convolutions oneDNN is picky about (squeeze-excitation's 1x1 maps). Each trains at parity with eager PyTorch in both
+ORT engines, proven executed by ORT's own run counters. Tiny models, batch 8."""
+
+import pytest
+import torch
+from torch import nn
+
+from tests.test_vision_engines import BATCH, RTOL, assert_ort_trained, train_both
+
+KINDS = ["ortmodule", "artifacts"]
+
+
+def segmentation_batches(steps: int = 3, classes: int = 4, side: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(BATCH, 3, side, side, generator=g), torch.randint(0, classes, (BATCH, side, side), generator=g))
+        for _ in range(steps)
+    ]
+
+
+def tiny_unet(classes: int = 4) -> nn.Module:
+    """Down, up and a skip connection; (B, C, H, W) logits as torch's segmentation models return them."""
+
+    class UNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.down = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+            self.mid = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+            self.up = nn.ConvTranspose2d(8, 8, 2, stride=2)
+            self.head = nn.Conv2d(8 + 3, classes, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.cat([self.up(self.mid(self.down(x))), x], dim=1))
+
+    torch.manual_seed(0)
+    return UNet()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_unet_with_torchs_segmentation_layout_trains_with_the_default_loss(kind, tmp_path):
+    batches = segmentation_batches()
+    eager, engine, expected, got = train_both(kind, tiny_unet, batches, tmp_path)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
+    assert_ort_trained(engine, len(batches))
+    x, y = segmentation_batches(1)[0]
+    want, have = eager.eval_step(x, y), engine.eval_step(x, y)
+    assert have.count == want.count == y.numel()
+    assert have.loss_sum == pytest.approx(want.loss_sum, rel=1e-4)
+    assert have.sums["accuracy"] == want.sums["accuracy"]
