@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.test_vision_engines import BATCH, RTOL, assert_ort_trained, train_both
+from tests.test_vision_engines import BATCH, CLASSES, RTOL, assert_ort_trained, images, train_both
 
 KINDS = ["ortmodule", "artifacts"]
 
@@ -48,3 +48,62 @@ def test_a_unet_with_torchs_segmentation_layout_trains_with_the_default_loss(kin
     assert have.count == want.count == y.numel()
     assert have.loss_sum == pytest.approx(want.loss_sum, rel=1e-4)
     assert have.sums["accuracy"] == want.sums["accuracy"]
+
+
+def activations() -> nn.Module:
+    """Every activation whose ONNX op ORT 1.19 cannot differentiate (docs/ort-gradients.md), in one small CNN."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Conv2d(3, 8, 3, padding=1)]
+    for act in (
+        nn.Hardswish(),
+        nn.Hardsigmoid(),
+        nn.ELU(),
+        nn.SELU(),
+        nn.CELU(0.5),
+        nn.Softplus(),
+        nn.Mish(),
+        nn.PReLU(8),
+    ):
+        layers += [act, nn.Conv2d(8, 8, 1)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, CLASSES))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_activations_without_an_ort_gradient_train_by_exact_decompositions(kind, tmp_path):
+    batches = images(3)
+    _, engine, expected, got = train_both(kind, activations, batches, tmp_path)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
+    assert_ort_trained(engine, len(batches))
+    # Softplus twice: nn.Softplus and inside nn.Mish
+    assert engine.describe()["graph_fixes"]["ops_without_gradient_decomposed"] == 8
+
+
+class Upsampling(nn.Module):
+    """Every interpolation mode segmentation heads use, by scale factor and by size (LR-ASPP's and DeepLab's
+    F.interpolate(size=input.shape[-2:]))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, stride=2, padding=1)
+        self.head = nn.Conv2d(4 * 5, CLASSES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        ups = [
+            nn.functional.interpolate(y, scale_factor=2, mode="nearest"),
+            nn.functional.interpolate(y, scale_factor=2, mode="bilinear"),
+            nn.functional.interpolate(y, scale_factor=2, mode="bilinear", align_corners=True),
+            nn.functional.interpolate(y, scale_factor=2, mode="bicubic"),
+            nn.functional.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False),
+        ]
+        return self.head(torch.cat(ups, dim=1)).mean(dim=(2, 3))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_upsampling_trains_by_torchs_kernels_and_gradients(kind, tmp_path):
+    batches = images(3)
+    torch.manual_seed(0)
+    _, engine, expected, got = train_both(kind, Upsampling, batches, tmp_path)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
+    assert_ort_trained(engine, len(batches))
+    assert engine.describe()["graph_fixes"]["upsamples_run_by_torch"] == 5

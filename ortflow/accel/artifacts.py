@@ -21,7 +21,7 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import aten_conv, aten_layer_norm, aten_nodes, batchnorm, compat, symbolics
+from ortflow.accel import aten_conv, aten_layer_norm, aten_nodes, aten_upsample, batchnorm, compat, symbolics
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.none import debug_problems
 from ortflow.accel.rewrites import MaskSampler, Rewrites, prepare_training_graph
@@ -243,11 +243,13 @@ class ArtifactsEngine:
         # Convolutions (accel.aten_conv, transposed ones always) and LayerNorms (accel.aten_layer_norm) as ATen
         # nodes: torch runs them inside ORT.
         self.aten_convs, aten_layer_norms = aten_conv.count(forward), aten_layer_norm.count(forward)
-        self.aten_nodes = self.aten_convs + aten_layer_norms
+        upsamples = aten_upsample.count(forward)  # always: ORT has no CPU ResizeGrad
+        self.aten_nodes = self.aten_convs + aten_layer_norms + upsamples
         if self.aten_nodes:
             compat.load_aten_executor()
             aten_conv.register_gradient()
             aten_layer_norm.register_gradient()
+            aten_upsample.register_gradient()
             trainable = {_PREFIX + n for n, p in model.named_parameters() if p.requires_grad}
             aten_nodes.set_gradient_masks(forward, trainable)
         example_feeds = {name: t.numpy() for name, t in zip(names, args, strict=True)}
@@ -256,6 +258,8 @@ class ArtifactsEngine:
             self.graph_fixes["convolutions_run_by_torch"] = self.aten_convs
         if aten_layer_norms:
             self.graph_fixes["layer_norms_run_by_torch"] = aten_layer_norms
+        if upsamples:
+            self.graph_fixes["upsamples_run_by_torch"] = upsamples
         self.sampler = MaskSampler(self.masks)
         self.eval_masks = [np.ones(m.shape, m.dtype) for m in self.masks]  # evaluation keeps every unit
         params = dict(model.named_parameters())

@@ -18,7 +18,7 @@ class AtenOp:
     forward: str  # the forward node's `operator` attribute
     backward: str  # its gradient node's
     differentiable: tuple[int, ...]  # the forward node's tensor inputs that may get a gradient, in mask order
-    mask_input: int  # the forward node's input holding that mask
+    mask_input: int | None  # the forward node's input holding that mask; None: the operator takes none
 
 
 OPS: dict[str, AtenOp] = {}
@@ -51,7 +51,7 @@ def set_gradient_masks(model: onnx.ModelProto, trainable: set[str]) -> None:
             reached.update(name for name in node.output if name)
     kept = []
     for node in graph.node:
-        if (op := OPS.get(operator(node) or "")) is not None:
+        if (op := OPS.get(operator(node) or "")) is not None and op.mask_input is not None:
             mask = [len(node.input) > i and node.input[i] in reached for i in op.differentiable]
             name = f"{node.name or node.output[0]}/output_mask"
             kept.append(

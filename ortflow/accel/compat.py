@@ -252,10 +252,11 @@ def patch_ortmodule() -> None:
     if _patched:
         return
     prepare()
-    from ortflow.accel import aten_conv, aten_layer_norm, aten_nodes, symbolics
+    from ortflow.accel import aten_conv, aten_layer_norm, aten_nodes, aten_upsample, symbolics
 
     aten_conv.register_gradient()  # before any ORTModule is built: it publishes ORT's gradient registry then
     aten_layer_norm.register_gradient()
+    aten_upsample.register_gradient()
     from onnxruntime.training.ortmodule._custom_op_symbolic_registry import CustomOpSymbolicRegistry
 
     register_all = CustomOpSymbolicRegistry.register_all.__func__
@@ -295,6 +296,8 @@ def patch_ortmodule() -> None:
             fixes["convolutions_run_by_torch"] = convolutions
         if layer_norms:
             fixes["layer_norms_run_by_torch"] = layer_norms
+        if upsamples := aten_upsample.count(exported_model):
+            fixes["upsamples_run_by_torch"] = upsamples
         if scope is not None:
             scope.fixes.update(fixes)
         return exported_model, output_schema
