@@ -107,3 +107,34 @@ def test_upsampling_trains_by_torchs_kernels_and_gradients(kind, tmp_path):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
     assert_ort_trained(engine, len(batches))
     assert engine.describe()["graph_fixes"]["upsamples_run_by_torch"] == 5
+
+
+class PickyConvs(nn.Module):
+    """The convolutions oneDNN is picky about, in one model: stride 2 on an odd size, depthwise, grouped, dilated,
+    1x1 convolutions over a 1x1 map, and a squeeze-excitation block (EfficientNet's and RegNetY's, whose gate
+    multiplies the feature map: a broadcast whose gradient must be reduced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)  # 15 -> 8
+        self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.grouped = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=2)
+        self.squeeze = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(8, 2, 1), nn.SiLU(), nn.Conv2d(2, 8, 1))
+        self.pooled = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(8, 8, 1), nn.ReLU(), nn.Conv2d(8, CLASSES, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.grouped(torch.relu(self.depthwise(torch.relu(self.stem(x)))))
+        y = y * torch.sigmoid(self.squeeze(y))
+        return self.pooled(y).flatten(1)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_convolutions_onednn_is_picky_about_train_at_parity(kind, layout, tmp_path):
+    batches = images(3, shape=(3, 15, 15))
+    if layout == "channels_last":
+        batches = [(x.to(memory_format=torch.channels_last), y) for x, y in batches]
+    _, engine, expected, got = train_both(kind, PickyConvs, batches, tmp_path)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
+    assert_ort_trained(engine, len(batches))
+    assert engine.describe()["graph_fixes"]["convolutions_run_by_torch"] == 7
