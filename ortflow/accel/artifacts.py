@@ -21,7 +21,7 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import aten_conv, aten_layer_norm, aten_nodes, aten_upsample, batchnorm, compat, symbolics
+from ortflow.accel import aten_conv, aten_layer_norm, aten_nodes, aten_upsample, batchnorm, compat, failures, symbolics
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.none import debug_problems
 from ortflow.accel.rewrites import MaskSampler, Rewrites, prepare_training_graph
@@ -123,9 +123,9 @@ def custom_functions(model: nn.Module, layout: Layout, inputs: tuple[torch.Tenso
 
 
 @contextlib.contextmanager
-def _cannot_train(what: str, by: str = "ORT's training API") -> Iterator[None]:
-    """Errors while the model is exported or ORT builds or loads its graphs, as one paragraph naming the op or
-    construct."""
+def _cannot_train(what: str, by: str = "ORT's training API", model: nn.Module | None = None) -> Iterator[None]:
+    """Errors while the model is exported or ORT builds or loads its graphs, as one paragraph naming the op, the
+    module of `model` that produced it, and what works instead (accel/failures.py)."""
     try:
         yield
     except (RuntimeError, ValueError, AssertionError, onnx.checker.ValidationError, OSError) as err:
@@ -133,10 +133,10 @@ def _cannot_train(what: str, by: str = "ORT's training API") -> Iterator[None]:
             raise failure from err  # the model is fine: the disk is full
         if isinstance(err, OSError):
             raise
-        raise OrtflowError(
-            f"accel=artifacts cannot train this model: {by} failed to {what} ({root_reason(err)}). "
-            "Use accel=ortmodule or accel=none for it."
-        ) from err
+        raise OrtflowError(failures.paragraph(err, NAME, f"{what} ({by})", model, INSTEAD)) from err
+
+
+INSTEAD = "accel=ortmodule may train it (it runs some ops through torch); accel=none always does."
 
 
 def build(ctx: EngineContext, **settings: Any) -> "ArtifactsEngine":
@@ -234,7 +234,7 @@ class ArtifactsEngine:
             names, outputs = [*names, "targets"], ["loss", "output"]
         with (
             compat.quiet_export(),
-            _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export"),
+            _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export", model),
             training_forward_probe(model),  # the export traces one training forward: its BatchNorm update is undone
             symbolics.ort_export(accel.opset, accel.aten_conv, accel.aten_layer_norm),
         ):
@@ -271,7 +271,7 @@ class ArtifactsEngine:
         with (
             terminal.native_stderr("onnxruntime"),
             compat.quiet_root_logger(),
-            _cannot_train("build its training graph"),
+            _cannot_train("build its training graph", "generate_artifacts", model),
         ):
             artifacts.generate_artifacts(
                 forward,
@@ -300,7 +300,7 @@ class ArtifactsEngine:
         self.intra_op_threads = accel.intra_op_threads
         self.allow_spinning = accel.allow_spinning and not self.aten_nodes
         compat.apply_session_settings(self.options, self.intra_op_threads, self.allow_spinning)
-        with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs"):
+        with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs", model=model):
             self._open(onnx_dir / "checkpoint", optim.lr)
         self.trainable = [_PREFIX + n for n, p in params.items() if p.requires_grad]
         self.last_grad_norm: float | None = None
@@ -381,7 +381,10 @@ class ArtifactsEngine:
             self.batch_statistics.check_training_batch(targets.size(0), self.batch_size, NAME)
             tensors, padded = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
             feeds = self._feeds(tensors, padded, train=True)
-            with torch.profiler.record_function("ortflow::ort_training_graph"):
+            with (
+                torch.profiler.record_function("ortflow::ort_training_graph"),
+                failures.explained(NAME, "run a training step", self.model, INSTEAD),
+            ):
                 loss = self._training_forward(feeds)
             losses.append(loss * self.accumulate)
             if not math.isfinite(losses[-1]):
@@ -423,7 +426,8 @@ class ArtifactsEngine:
         self.batch_statistics.check_eval_batch(real, self.batch_size, NAME)
         tensors, padded = pad_eval_batch(self.layout.flatten(inputs), targets, self.batch_size)
         self.module.eval()
-        _, output = self.module(*self._feeds(tensors, padded, train=False))
+        with failures.explained(NAME, "run an evaluation step", self.model, INSTEAD):
+            _, output = self.module(*self._feeds(tensors, padded, train=False))
         self.evals += 1
         output = torch.from_numpy(np.asarray(output))
         if self.loss_block is not None:  # back from the loss block's layout to the model's own
