@@ -165,6 +165,8 @@ class CrossEntropyLossConfig:
     _target_: str = "ortflow.step.loss.CrossEntropy"
     ignore_index: int = -100  # targets equal to it carry no loss and no accuracy (padding)
     label_smoothing: float = ranged(0.0, Interval(ge=0, le=1))
+    # the logits' class dimension: 1 (torch's layout) or -1 (ortflow's, classes last); null = from the shapes
+    class_dim: int | None = None
 
 
 @dataclass

@@ -32,6 +32,43 @@ def test_cross_entropy_matches_torch_and_its_sums_aggregate_to_the_mean(smoothin
     assert metrics["eval/accuracy"] == pytest.approx(float((out.argmax(-1) == targets)[keep].float().mean()))
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("shape", [(6, 7), (6, 7, 4), (6, 7, 4, 3)], ids=["B,C", "B,C,d", "B,C,H,W"])
+def test_cross_entropy_takes_torchs_layouts_as_torch_does(shape, smoothing):
+    """(B, C) and (B, C, d1, ...) logits with (B, d1, ...) targets: torch's own loss, ignore_index, label smoothing
+    and accuracy over the class dimension 1."""
+    torch.manual_seed(0)
+    out = torch.randn(*shape)
+    targets = torch.randint(0, shape[1], (shape[0], *shape[2:]))
+    targets[0] = loss.IGNORE_INDEX
+    ce = loss.CrossEntropy(label_smoothing=smoothing)
+    assert ce.problem(out, targets) is None
+    torch.testing.assert_close(ce(out, targets), F.cross_entropy(out, targets, label_smoothing=smoothing))
+    halves = (ce.sums(out[:3], targets[:3]) + ce.sums(out[3:], targets[3:])).metrics()
+    keep = targets != loss.IGNORE_INDEX
+    assert halves["eval/loss"] == pytest.approx(float(ce(out, targets)), rel=1e-5)
+    assert halves["eval/accuracy"] == pytest.approx(float((out.argmax(1) == targets)[keep].float().mean()))
+    flat = ce.flat_output(out, targets)  # the artifacts engine's layout for ORT's loss block, and back
+    torch.testing.assert_close(F.cross_entropy(flat, ce.flat_targets(targets)), F.cross_entropy(out, targets))
+    assert torch.equal(ce.unflat_output(flat, targets), out)
+
+
+def test_cross_entropy_asks_for_class_dim_when_the_shapes_fit_both_layouts():
+    out, targets = torch.randn(4, 5, 5), torch.randint(0, 5, (4, 5))
+    problem = loss.CrossEntropy().problem(out, targets)
+    assert "loss.class_dim=1" in problem and "loss.class_dim=-1" in problem
+    with pytest.raises(OrtflowError, match=r"loss\.class_dim"):
+        loss.CrossEntropy()(out, targets)
+    for dim, torch_out in [(1, out), (-1, out.transpose(1, 2))]:
+        ce = loss.CrossEntropy(class_dim=dim)
+        assert ce.problem(out, targets) is None
+        torch.testing.assert_close(ce(out, targets), F.cross_entropy(torch_out, targets))
+    wrong = loss.CrossEntropy(class_dim=1).problem(torch.randn(4, 5, 3), torch.randint(0, 3, (4, 5)))
+    assert "loss.class_dim=1" in wrong and "(4, 5, 3)" in wrong
+    assert "(4, 'C', 5)" in loss.CrossEntropy().problem(torch.randn(4, 2, 3), targets)
+    assert "class_dim" in OmegaConf.to_container(make_cfg("loss=cross_entropy", "loss.class_dim=1").loss)
+
+
 def test_mse_and_bce_sums_match_torch():
     torch.manual_seed(0)
     out, targets = torch.randn(8, 3), torch.randn(8, 3)

@@ -3,6 +3,8 @@ in the same run dir, out of memory, a diverging lr. Each either works or is one 
 
 import json
 
+import pytest
+
 from ortflow.run import checkpoint
 from tests.conftest import TINY, USER_ENV, custom_model
 
@@ -57,3 +59,20 @@ def test_a_diverging_run_names_lr_and_eps(tmp_path, ortflow_cli, monkeypatch):
     args = [*custom_model("build_nan_at_step", nan_steps=[2]), *TINY[4:], "hydra.run.dir=r"]
     status, stderr = ortflow_cli(*args, cwd=tmp_path)
     assert status == 2 and "at step 2" in stderr and "optim.lr=0.001" in stderr and "optim.eps=1e-08" in stderr
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("accel", ["none", "ortmodule", "artifacts"])
+def test_runs_of_one_and_two_steps_finish_with_a_summary(tmp_path, ortflow_cli, accel, steps):
+    status, stderr = ortflow_cli(
+        "+recipe=digits", f"accel={accel}", f"trainer.max_steps={steps}", "hydra.run.dir=r", cwd=tmp_path
+    )
+    assert status == 0, stderr[-2000:]
+    run = record(tmp_path / "r")
+    assert run["status"] == "completed" and run["metrics"]["steps"] == steps
+    assert checkpoint.step_checkpoints(tmp_path / "r" / "checkpoints")
+    if accel != "none":
+        assert run["engine"]["ort_train_steps"] == steps
+    rate = run["metrics"]["perf/samples_per_sec"]
+    assert (rate is None) == (steps == 1)  # the first step pays for start-up and is never timed
+    assert list((tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"))

@@ -21,7 +21,7 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import aten_nodes, batchnorm, compat, symbolics
+from ortflow.accel import aten_nodes, batchnorm, compat, failures, symbolics
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.none import debug_problems
 from ortflow.accel.rewrites import MaskSampler, Rewrites, prepare_training_graph
@@ -128,9 +128,9 @@ def custom_functions(model: nn.Module, layout: Layout, inputs: tuple[torch.Tenso
 
 
 @contextlib.contextmanager
-def _cannot_train(what: str, by: str = "ORT's training API") -> Iterator[None]:
-    """Errors while the model is exported or ORT builds or loads its graphs, as one paragraph naming the op or
-    construct."""
+def _cannot_train(what: str, by: str = "ORT's training API", model: nn.Module | None = None) -> Iterator[None]:
+    """Errors while the model is exported or ORT builds or loads its graphs, as one paragraph naming the op, the
+    module of `model` that produced it, and what works instead (accel/failures.py)."""
     try:
         yield
     except (RuntimeError, ValueError, AssertionError, onnx.checker.ValidationError, OSError) as err:
@@ -138,10 +138,10 @@ def _cannot_train(what: str, by: str = "ORT's training API") -> Iterator[None]:
             raise failure from err  # the model is fine: the disk is full
         if isinstance(err, OSError):
             raise
-        raise OrtflowError(
-            f"accel=artifacts cannot train this model: {by} failed to {what} ({root_reason(err)}). "
-            "Use accel=ortmodule or accel=none for it."
-        ) from err
+        raise OrtflowError(failures.paragraph(err, NAME, f"{what} ({by})", model, INSTEAD)) from err
+
+
+INSTEAD = "accel=ortmodule may train it (it runs some ops through torch); accel=none always does."
 
 
 def build(ctx: EngineContext, **settings: Any) -> "ArtifactsEngine":
@@ -156,12 +156,12 @@ class OutputForLoss(nn.Module):
     """Exported when ORT has a loss block for the loss: the model's output in the layout that block takes (for
     cross-entropy, logits flattened to (N, C), as ORT's SoftmaxCrossEntropyLoss expects)."""
 
-    def __init__(self, model: nn.Module, loss: Loss, layout: Layout) -> None:
+    def __init__(self, model: nn.Module, loss: Loss, layout: Layout, targets: torch.Tensor) -> None:
         super().__init__()
-        self.model, self.loss, self.layout = model, loss, layout
+        self.model, self.loss, self.layout, self.targets = model, loss, layout, targets  # targets: their shape
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.loss.flat_output(self.layout.call(self.model, inputs))
+        return self.loss.flat_output(self.layout.call(self.model, inputs), self.targets)
 
 
 class OutputAndLoss(nn.Module):
@@ -228,14 +228,18 @@ class ArtifactsEngine:
         self.loss_block = self.loss.ort_block() if self.accumulate == 1 else None
         names = [f"input_{i}" for i in range(len(example_inputs))] if len(example_inputs) > 1 else ["input"]
         if self.loss_block is not None:  # ORT's own loss block on the exported output
-            exported, args, outputs = OutputForLoss(model, self.loss, self.layout), example_inputs, ["output"]
+            exported, args, outputs = (
+                OutputForLoss(model, self.loss, self.layout, example_targets),
+                example_inputs,
+                ["output"],
+            )
         else:  # the loss is exported with the model
             scaled = OutputAndLoss(model, self.loss, self.layout, 1.0 / self.accumulate)
             exported, args = scaled, (*example_inputs, example_targets)
             names, outputs = [*names, "targets"], ["loss", "output"]
         with (
             compat.quiet_export(),
-            _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export"),
+            _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export", model),
             training_forward_probe(model),  # the export traces one training forward: its BatchNorm update is undone
             symbolics.ort_export(
                 accel.opset, accel.aten_conv, accel.layer_norm_by_torch(ctx.precision), ctx.precision == BF16
@@ -243,8 +247,9 @@ class ArtifactsEngine:
         ):
             compat.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
         forward = onnx.load(str(forward_path))
-        # Convolutions (accel.aten_conv, transposed ones always), LayerNorms (accel.aten_layer_norm) and, in bf16,
-        # matrix multiplies as ATen nodes: torch runs them inside ORT (accel/aten_nodes.py).
+        # Convolutions (accel.aten_conv, transposed ones always), LayerNorms (accel.aten_layer_norm), upsampling
+        # (always: ORT has no CPU ResizeGrad) and, in bf16, matrix multiplies as ATen nodes: torch runs them inside
+        # ORT (accel/aten_nodes.py).
         torch_nodes = aten_nodes.count_all(forward)
         self.aten_nodes = sum(torch_nodes.values())
         if self.aten_nodes:
@@ -266,7 +271,7 @@ class ArtifactsEngine:
         with (
             terminal.native_stderr("onnxruntime"),
             compat.quiet_root_logger(),
-            _cannot_train("build its training graph"),
+            _cannot_train("build its training graph", "generate_artifacts", model),
         ):
             artifacts.generate_artifacts(
                 forward,
@@ -295,7 +300,7 @@ class ArtifactsEngine:
         self.intra_op_threads = accel.intra_op_threads
         self.allow_spinning = accel.allow_spinning and not self.aten_nodes
         compat.apply_session_settings(self.options, self.intra_op_threads, self.allow_spinning)
-        with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs"):
+        with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs", model=model):
             self._open(onnx_dir / "checkpoint", optim.lr)
         self.trainable = [_PREFIX + n for n, p in params.items() if p.requires_grad]
         self.last_grad_norm: float | None = None
@@ -376,7 +381,10 @@ class ArtifactsEngine:
             self.batch_statistics.check_training_batch(targets.size(0), self.batch_size, NAME)
             tensors, padded = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
             feeds = self._feeds(tensors, padded, train=True)
-            with torch.profiler.record_function("ortflow::ort_training_graph"):
+            with (
+                torch.profiler.record_function("ortflow::ort_training_graph"),
+                failures.explained(NAME, "run a training step", self.model, INSTEAD),
+            ):
                 loss = self._training_forward(feeds)
             losses.append(loss * self.accumulate)
             if not math.isfinite(losses[-1]):
@@ -418,7 +426,8 @@ class ArtifactsEngine:
         self.batch_statistics.check_eval_batch(real, self.batch_size, NAME)
         tensors, padded = pad_eval_batch(self.layout.flatten(inputs), targets, self.batch_size)
         self.module.eval()
-        _, output = self.module(*self._feeds(tensors, padded, train=False))
+        with failures.explained(NAME, "run an evaluation step", self.model, INSTEAD):
+            _, output = self.module(*self._feeds(tensors, padded, train=False))
         self.evals += 1
         output = torch.from_numpy(np.asarray(output))
         if self.loss_block is not None:  # back from the loss block's layout to the model's own

@@ -26,9 +26,11 @@ class AtenOp:
     forward: str  # the forward node's `operator` attribute
     backward: str  # its gradient node's
     differentiable: tuple[int, ...]  # the forward node's tensor inputs that may get a gradient, in mask order
-    mask_input: int  # the forward node's input holding that mask
-    gradient: Callable[[], list[tuple]]  # ORT's gradient definition (format of onnxruntime's _custom_gradient_registry)
+    mask_input: int | None  # the forward node's input holding that mask; None: the operator takes none
+    # ORT's gradient definition (format of onnxruntime's _custom_gradient_registry); None: ORTModule's registry has it
+    gradient: Callable[[], list[tuple]] | None
     fix_name: str  # how its nodes are counted among an engine's graph fixes (run.json, the engine's describe())
+    overload: str = ""  # the forward node's `overload_name`
 
 
 OPS: dict[str, AtenOp] = {}
@@ -42,7 +44,8 @@ def register_gradients() -> None:
     """Give ORT the gradient of every registered operator (once per process; ORTModule publishes its registry when it
     is built, the artifacts engine before generate_artifacts). Imports ORTModule (the torch patches first)."""
     for op in OPS.values():
-        compat.register_ort_gradient(op.forward, "", op.gradient)
+        if op.gradient is not None:
+            compat.register_ort_gradient(op.forward, op.overload, op.gradient)
 
 
 def operator(node: onnx.NodeProto) -> str | None:
@@ -68,7 +71,10 @@ def count_all(model: onnx.ModelProto) -> dict[str, int]:
 
 def graph_fixes(counts: dict[str, int]) -> dict[str, int]:
     """`count_all`'s counts under their graph-fix names."""
-    return {OPS[name].fix_name: n for name, n in counts.items()}
+    fixes: dict[str, int] = {}
+    for name, n in counts.items():
+        fixes[OPS[name].fix_name] = fixes.get(OPS[name].fix_name, 0) + n
+    return fixes
 
 
 def set_gradient_masks(model: onnx.ModelProto, trainable: set[str]) -> None:
@@ -82,7 +88,7 @@ def set_gradient_masks(model: onnx.ModelProto, trainable: set[str]) -> None:
             reached.update(name for name in node.output if name)
     kept = []
     for node in graph.node:
-        if (op := OPS.get(operator(node) or "")) is not None:
+        if (op := OPS.get(operator(node) or "")) is not None and op.mask_input is not None:
             mask = [len(node.input) > i and node.input[i] in reached for i in op.differentiable]
             name = f"{node.name or node.output[0]}/output_mask"
             kept.append(

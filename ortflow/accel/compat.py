@@ -278,6 +278,10 @@ def patch_ortmodule() -> None:
     CustomOpSymbolicRegistry.register_all = classmethod(register_all_recorded)
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
     from onnxruntime.training.ortmodule import _execution_agent
+
+    from ortflow.accel import aten_shapes
+
+    aten_shapes.install()  # the ATen convolutions' output shapes (squeeze-excitation's broadcast gradient)
     from onnxruntime.training.ortmodule._graph_execution_manager import GraphExecutionManager
     from onnxruntime.training.ortmodule._graph_transition_manager import GraphTransitionManager
 

@@ -22,14 +22,14 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import batchnorm, compat, fed_dropout
+from ortflow.accel import batchnorm, compat, failures, fed_dropout
 from ortflow.accel.engine import EngineContext, WithLoss, pad_batch, pad_eval_batch
 from ortflow.accel.extensions import ensure_built
 from ortflow.accel.none import EagerEngine
 from ortflow.accel.rewrites import DropoutMask, MaskSampler, Rewrites, draw_masks
 from ortflow.config import BF16, DebugConfig
 from ortflow.distributed import MULTI_PROCESS
-from ortflow.errors import OrtflowError, root_reason
+from ortflow.errors import OrtflowError, is_allocation_failure
 from ortflow.ranges import ranged
 from ortflow.report import terminal
 from ortflow.step.batch import Inputs, Layout
@@ -168,6 +168,7 @@ class ORTModuleEngine:
         self.sampler = MaskSampler(self.masks)
         self.eval_masks = tuple(torch.ones(m.shape, dtype=getattr(torch, m.dtype.name)) for m in self.masks)
         self.loss, self.layout = ctx.loss, ctx.layout
+        self.user_model = ctx.model  # failures name its modules
         # The inner engine gets the padded, flattened input tensors (positional), then the dropout masks.
         flat = Layout(ctx.layout.count + len(self.masks))
         trained: nn.Module = self.module
@@ -196,12 +197,15 @@ class ORTModuleEngine:
                 compat.ortmodule_scope(self.session, self.runs, self.graph_fixes),
             ):
                 return step(inputs, targets)
-        except compat.ortmodule_fallback_error() as err:
-            raise OrtflowError(
-                f"ORTModule cannot run this model in ONNX Runtime ({root_reason(err)}). "
-                "Set accel.fallback=warn to let PyTorch run it instead (recorded as executed_by=pytorch), "
-                "or use accel=none."
-            ) from err
+        except (compat.ortmodule_fallback_error(), RuntimeError, ValueError, AssertionError, TypeError) as err:
+            if isinstance(err, OrtflowError) or is_allocation_failure(err):
+                raise
+            stage = f"export, build and run its first {mode} step" if first else f"run a {mode} step"
+            instead = (
+                "Set accel.fallback=warn to let PyTorch run it instead (recorded as executed_by=pytorch), or use "
+                "accel=artifacts or accel=none."
+            )
+            raise OrtflowError(failures.paragraph(err, NAME, stage, self.user_model, instead)) from err
 
     def _not_in_ort(self, what: str) -> None:
         message = (

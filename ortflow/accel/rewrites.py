@@ -376,10 +376,13 @@ def prepare_training_graph(
     """All fixes and the rewrites asked for, on a forward graph about to be differentiated by ORT (`feeds`: example
     inputs, to find shapes shape inference cannot). Returns how many nodes each changed (only those that changed
     something) and the dropout masks the engine must feed."""
+    from ortflow.accel import decompositions  # it imports this module's helpers
+
     fixes = {
         "attention_dropout_in_training_mode": attention_dropout_in_training_mode(model),
         "batchnorm_batch_statistics_in_place": batch_statistics_in_place(model),
         "instance_norm_decomposed": decompose_instance_norms(model),
+        "ops_without_gradient_decomposed": decompositions.decompose_ops_without_gradient(model),
     }
     masks = dropout_to_mask_inputs(model, feeds) if rewrites.dropout_masks else []
     fixes |= {"dropout_to_mask_inputs": len(masks), "dropout_mask_outputs": add_dropout_masks(model)}

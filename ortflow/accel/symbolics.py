@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel import aten_conv, aten_gemm, aten_layer_norm, compat
+from ortflow.accel import aten_conv, aten_gemm, aten_layer_norm, aten_upsample, compat
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,7 @@ def ort_export(opset: int, aten_conv_all: bool, aten_layer_norm: bool = False, b
         torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
     token = _ACTIVE.set(_Export(aten_conv_all, aten_layer_norm, bf16))
     try:
-        yield
+        with aten_upsample.exporting(opset):  # upsampling as ATen nodes: ORT has no CPU ResizeGrad
+            yield
     finally:
         _ACTIVE.reset(token)

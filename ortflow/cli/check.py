@@ -1,7 +1,8 @@
 """`ortflow-check [OVERRIDES]`: before choosing `accel=`, try every accel mode for a few steps on the model and data
 the overrides describe, and print one table: whether each mode trains (or the one-line reason it does not), loss
-parity against eager on the same batches and the same initial weights (dropout off), step time, and the graph fixes
-ortflow applied. The result also goes to a JSON file (`--out`, default outputs/check/<time>.json).
+parity against eager on the same batches and the same initial weights (dropout off), step-1 gradients against
+eager's, a verdict against eager's own noise floor (cli/parity.py), step time, and the graph fixes ortflow applied.
+The result also goes to a JSON file (`--out`, default outputs/check/<time>.json).
 """
 
 import argparse
@@ -23,6 +24,7 @@ from rich.table import Table
 from torch import nn
 
 from ortflow import accel
+from ortflow.cli import parity
 from ortflow.config import register_configs
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError, root_reason
@@ -76,8 +78,11 @@ def _one_line(err: BaseException) -> str:
     return root_reason(err)
 
 
-def try_mode(mode: str, overrides: list[str], steps: int, model: nn.Module, reference: list[float] | None):
-    """Train `steps` steps of a copy of `model` in `mode`; a row of the table."""
+def try_mode(
+    mode: str, overrides: list[str], steps: int, model: nn.Module, reference: list[float] | None, grads: bool = True
+):
+    """Train `steps` steps of a copy of `model` in `mode`; a row of the table (with `grads`, its step-1 gradients
+    under "_grads", for the caller to compare)."""
     row: dict[str, Any] = {"mode": mode}
     try:
         cfg = _compose(overrides, mode)
@@ -89,12 +94,15 @@ def try_mode(mode: str, overrides: list[str], steps: int, model: nn.Module, refe
         with tempfile.TemporaryDirectory(prefix="ortflow-check-") as tmp:
             engine = accel.build(cfg.accel, engine_context(cfg, copy.deepcopy(model), data, Path(tmp)))
             losses, times = [], []
+            step_one = parity.capture_step_one(engine, split_batch(batches[0])) if grads else None
             for step, batch in enumerate(batches, start=1):
                 seed_step(cfg.seed, step)
                 start = time.perf_counter()
                 losses.append(engine.train_step(*split_batch(batch)))
                 times.append(time.perf_counter() - start)
             info = engine.describe()
+            if step_one is not None:
+                row["_grads"] = step_one()
     except Exception as err:  # every failure is a result here, reported in the table
         return row | {"trains": False, "reason": _one_line(err)}
     row |= {
@@ -118,19 +126,34 @@ def check(overrides: list[str], steps: int, modes: list[str]) -> dict[str, Any]:
     data = build_data(cfg)
     model = without_dropout(build_model(cfg, data))
     random = draws_random_numbers(model, split_batch(next(iter(data.train)))[0])
-    rows, reference = [], None
+    rows, reference, eager_grads = [], None, {}
     for mode in ["none", *[m for m in modes if m != "none"]]:
         row = try_mode(mode, overrides, steps, model, reference)
+        got = row.pop("_grads", None)
         if mode == "none":
-            reference = row.get("losses")
+            reference, eager_grads = row.get("losses"), got or {}
+        elif got is not None:
+            row["grad_rel_diff"] = parity.gradient_difference(got, eager_grads)
         if mode in modes:
             rows.append(row)
+    floors = []
+    if reference is not None:  # eager against itself, every weight one ulp away: the noise any engine is held to
+        for seed in parity.NOISE_SEEDS:
+            noisy = try_mode("none", overrides, steps, parity.perturbed(copy.deepcopy(model), seed), reference, False)
+            floors.append(noisy.get("max_rel_loss_diff", math.nan))
+    floor = max(floors) if floors and all(map(math.isfinite, floors)) else None
+    for row in rows:
+        if row["mode"] != "none" and row.get("trains"):
+            row["verdict"] = parity.verdict(row, floor)
     target = cfg.model.get("_target_", "?")
     return {
         "overrides": overrides,
         "steps": steps,
         "model": target,
         "rows": rows,
+        "noise_floor": floor,
+        "noise_floors": floors,
+        "chaotic": floor is not None and floor > parity.CHAOTIC_FLOOR,
         "random_forward": random,
         "torch": torch.__version__,
     }
@@ -143,23 +166,44 @@ RANDOM_FORWARD = (
 )
 
 
-def _table(report: dict[str, Any]) -> Table:
-    table = Table(
-        title=f"ortflow-check: {report['model']} ({report['steps']} steps, dropout off)",
-        caption=RANDOM_FORWARD if report["random_forward"] else None,
+def _floor_text(report: dict[str, Any]) -> str:
+    floor = report.get("noise_floor")
+    if floor is None:
+        return "eager's noise floor: not measured (eager did not train)"
+    text = (
+        f"eager's own noise floor {floor:.1e}: the largest loss difference of eager against itself with every weight "
+        f"moved by one ulp ({len(report['noise_floors'])} seeds, the same steps)"
     )
-    for column in ("accel", "trains", "executed by", "loss vs eager", "step ms", "first step s", "graph fixes"):
+    if report.get("chaotic"):
+        text += (
+            f"; over {parity.CHAOTIC_FLOOR:.0e}: a chaotic model, whose loss after a few steps depends on the last "
+            "bit of its weights"
+        )
+    return text
+
+
+def _table(report: dict[str, Any]) -> Table:
+    caption = [_floor_text(report), *([RANDOM_FORWARD] if report["random_forward"] else [])]
+    table = Table(
+        title=f"ortflow-check: {report['model']} ({report['steps']} steps, dropout off)", caption="\n".join(caption)
+    )
+    columns = ("accel", "trains", "executed by", "loss vs eager", "step-1 grads vs eager", "verdict", "step ms")
+    for column in (*columns, "first step s", "graph fixes"):
         table.add_column(column)
     for r in report["rows"]:
         if not r["trains"]:
-            table.add_row(r["mode"], "[red]no[/red]: " + r.get("reason", r.get("executed_by", "")), "", "", "", "", "")
+            reason = "[red]no[/red]: " + r.get("reason", r.get("executed_by", ""))
+            table.add_row(r["mode"], reason, "", "", "", "", "", "", "")
             continue
-        parity = r.get("max_rel_loss_diff")
+        loss = r.get("max_rel_loss_diff")
+        grads = r.get("grad_rel_diff")
         table.add_row(
             r["mode"],
             "[green]yes[/green]",
             r["executed_by"],
-            "reference" if r["mode"] == "none" else (f"{parity:.1e}" if parity is not None else "-"),
+            "reference" if r["mode"] == "none" else (f"{loss:.1e}" if loss is not None else "-"),
+            "reference" if r["mode"] == "none" else (f"{grads:.1e}" if grads is not None else "-"),
+            "reference" if r["mode"] == "none" else r.get("verdict", "-"),
             f"{r['step_ms']:.1f}",
             f"{r['first_step_s']:.2f}",
             ", ".join(f"{k}={v}" for k, v in r["graph_fixes"].items()) or "-",

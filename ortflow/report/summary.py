@@ -2,6 +2,7 @@
 speed, what executed it (with ORT's own run counts as proof), wall time, where the results are, and, for a run
 that stopped early, the command that continues it."""
 
+import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,14 @@ STATUS_STYLE = {"completed": "green", "preempted": "yellow", "interrupted": "yel
 
 def _num(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def _rate(value: Any) -> str:
+    """samples/s, or why there is none: the first step pays for export and session creation and is never timed, so
+    a run of one step (run.json's null) has no rate."""
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return f"{value:.4g}"
+    return "n/a (only the untimed first step ran)"
 
 
 def executed_text(engine: dict[str, Any]) -> str:
@@ -55,7 +64,7 @@ def summary_table(record: dict[str, Any], run_dir: Path, wall_s: float) -> Table
     if best:
         table.add_row("best eval", f"{best[0].removeprefix('eval/')} {_num(best[1])} at step {metrics['best/step']}")
     if "perf/samples_per_sec" in metrics:
-        table.add_row("samples/s", f"{metrics['perf/samples_per_sec']:.4g}")
+        table.add_row("samples/s", _rate(metrics["perf/samples_per_sec"]))
     if "engine" in record:
         table.add_row("executed by", executed_text(record["engine"]))
     table.add_row("wall time", f"{wall_s:.1f} s")

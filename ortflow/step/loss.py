@@ -74,8 +74,8 @@ class Loss:
         """ORT's onnxblock loss computing the same value on (`flat_output`, `flat_targets`), or None."""
         return None
 
-    def flat_output(self, output: torch.Tensor) -> torch.Tensor:
-        """The output in the layout `ort_block` takes."""
+    def flat_output(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The output in the layout `ort_block` takes (`targets`: a batch's, for their shape)."""
         return output
 
     def flat_targets(self, targets: torch.Tensor) -> torch.Tensor:
@@ -87,16 +87,64 @@ class Loss:
 
 
 class CrossEntropy(Loss):
-    """Cross-entropy over (B, ..., C) logits and (B, ...) int64 class ids; mean over targets != ignore_index."""
+    """Cross-entropy over logits and int64 class ids in torch's layouts, (B, C) or (B, C, d1, ...) logits with
+    (B, d1, ...) targets, or ortflow's (B, ..., C) with (B, ...) targets (sequence models); mean over targets !=
+    ignore_index. Where shapes fit both (logits (B, 5, 5), targets (B, 5)), `class_dim` (1 or -1) decides."""
 
     task = "classification"
     metrics = ("accuracy",)
 
-    def __init__(self, ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0) -> None:
+    def __init__(self, ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0, class_dim: int | None = None):
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
+        self.class_dim = class_dim
+        self._dim: int | None = class_dim  # the logits' class dimension, once the shapes have decided it
+
+    def _layout(self, output: torch.Tensor, targets: torch.Tensor) -> tuple[int | None, str | None]:
+        """The class dimension of `output` for these targets (1 or -1, or the configured one), or why none fits."""
+        shape, wanted = tuple(output.shape), tuple(targets.shape)
+
+        def fits(dim: int) -> bool:
+            if output.dim() != targets.dim() + 1:
+                return False
+            rest = list(shape)
+            del rest[dim]
+            return tuple(rest) == wanted
+
+        if self.class_dim is not None:
+            if -output.dim() <= self.class_dim < output.dim() and fits(self.class_dim):
+                return self.class_dim, None
+            return None, (
+                f"forward returned logits of shape {shape} for targets of shape {wanted}; with "
+                f"loss.class_dim={self.class_dim} the logits must be the targets' shape with the classes inserted at "
+                f"dimension {self.class_dim}"
+            )
+        torch_layout = output.dim() >= 2 and fits(1)
+        ortflow_layout = output.dim() >= 1 and fits(-1)
+        if torch_layout and ortflow_layout and output.dim() > 2:
+            return None, (
+                f"forward returned logits of shape {shape} for targets of shape {wanted}: the classes may be at "
+                "dimension 1 (torch's layout, (B, C, d1, ...)) or last (ortflow's, (B, ..., C)); set loss.class_dim=1 "
+                "or loss.class_dim=-1 to say which"
+            )
+        if torch_layout or ortflow_layout:
+            return (-1 if ortflow_layout else 1), None
+        expected = (
+            f"{(*wanted, 'C')} (the targets' shape plus the classes) or {(*wanted[:1], 'C', *wanted[1:])} "
+            "(torch's layout, classes at dimension 1)"
+        )
+        return None, f"forward returned logits of shape {shape}; expected float logits of shape {expected}"
+
+    def _classes_last(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self._dim is None:
+            dim, problem = self._layout(output, targets)
+            if dim is None:
+                raise OrtflowError(f"loss=cross_entropy: {problem}.")
+            self._dim = dim
+        return output if self._dim in (-1, output.dim() - 1) else output.movedim(self._dim, -1)
 
     def _ce(self, output: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+        output = self._classes_last(output, targets)
         flat, flat_targets = output.reshape(-1, output.size(-1)), targets.reshape(-1)
         if not self.label_smoothing:
             return F.cross_entropy(flat, flat_targets, ignore_index=self.ignore_index, reduction=reduction)
@@ -114,23 +162,25 @@ class CrossEntropy(Loss):
 
     def sums(self, output: torch.Tensor, targets: torch.Tensor) -> EvalResult:
         keep = targets != self.ignore_index
-        correct = ((output.argmax(-1) == targets) & keep).sum()
+        correct = ((self._classes_last(output, targets).argmax(-1) == targets) & keep).sum()
         return EvalResult(float(self._ce(output, targets, "sum")), int(keep.sum()), {"accuracy": float(correct)})
 
     def problem(self, output: torch.Tensor, targets: torch.Tensor) -> str | None:
-        expected = f"float logits of shape {(*targets.shape, 'C')} (the targets' shape plus the classes)"
         if targets.is_floating_point():
             return (
                 f"loss=cross_entropy takes int64 class ids as targets, but the data gives {targets.dtype} targets; "
                 "for real-valued targets use loss=mse (or loss=bce_with_logits for 0/1 labels)"
             )
-        if output.dim() != targets.dim() + 1 or tuple(output.shape[:-1]) != tuple(targets.shape):
-            return f"forward returned logits of shape {tuple(output.shape)}; expected {expected}"
+        dim, problem = self._layout(output, targets)
+        if dim is None:
+            return problem
+        self._dim = dim
+        classes_found = output.size(dim)
         counted = targets[targets != self.ignore_index]
         classes = int(counted.max()) + 1 if counted.numel() else 0
-        if output.size(-1) < classes:
+        if classes_found < classes:
             return (
-                f"forward returns {output.size(-1)} classes, but the data has class ids up to {classes - 1}; the "
+                f"forward returns {classes_found} classes, but the data has class ids up to {classes - 1}; the "
                 f"model needs at least {classes} outputs (e.g. model.vocab_size / num_classes)"
             )
         return None
@@ -145,14 +195,16 @@ class CrossEntropy(Loss):
 
         return onnxblock.loss.CrossEntropyLoss(ignore_index=self.ignore_index)
 
-    def flat_output(self, output: torch.Tensor) -> torch.Tensor:
+    def flat_output(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        output = self._classes_last(output, targets)
         return output.reshape(-1, output.size(-1))
 
     def flat_targets(self, targets: torch.Tensor) -> torch.Tensor:
         return targets.reshape(-1)
 
     def unflat_output(self, flat: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return flat.reshape(*targets.shape, flat.size(-1))
+        output = flat.reshape(*targets.shape, flat.size(-1))
+        return output if self._dim in (None, -1, output.dim() - 1) else output.movedim(-1, self._dim)
 
 
 class _Elementwise(Loss):

@@ -1,0 +1,115 @@
+"""ONNX ops ONNX Runtime 1.19 cannot differentiate, written out exactly in ops it can (a graph fix both ORT engines
+apply to every exported forward graph, `graph_fixes.ops_without_gradient_decomposed`).
+
+ORT registers no gradient builder for these activations ("The gradient builder has not been registered:
+HardSwish"; the full list, measured: docs/ort-gradients.md, `python -m ortflow.accel.gradient_survey`), so
+torchvision's MobileNetV3 (nn.Hardswish, nn.Hardsigmoid), SELU networks and Mish (Softplus) could not train. Each
+rewrite computes the op's ONNX definition with ops ORT differentiates (Clip, Mul, Add, Exp, Log, Where, Min, Relu),
+so the graph stays torch-free (the artifacts engine needs no torch at training time). Exponentials take
+`Min(x, 0)` (or `Min(x, threshold)`) so that the branch Where discards never overflows: an infinite value there
+would turn its zero gradient into NaN.
+
+| ONNX op (torch layer) | written as |
+|---|---|
+| HardSigmoid(alpha, beta) (nn.Hardsigmoid) | Clip(alpha * x + beta, 0, 1) |
+| HardSwish (nn.Hardswish) | x * Clip(x / 6 + 0.5, 0, 1) |
+| Elu(alpha) (nn.ELU) | Where(x > 0, x, alpha * (Exp(Min(x, 0)) - 1)) |
+| Selu(alpha, gamma) (nn.SELU) | gamma * Elu(alpha) |
+| Celu(alpha) (nn.CELU) | Where(x > 0, x, alpha * (Exp(Min(x, 0) / alpha) - 1)) |
+| Softplus (nn.Softplus, nn.Mish) | Where(x > 20, x, Log(Exp(Min(x, 20)) + 1)), torch's own threshold |
+| PRelu(x, slope) (nn.PReLU) | Relu(x) - slope * Relu(-x) |
+"""
+
+from collections.abc import Callable
+
+import onnx
+from onnx import TensorProto, helper
+
+from ortflow.accel.rewrites import _value_types
+
+Emit = Callable[[str, list[str], dict], str]  # (op, inputs, attributes) -> output name
+
+
+def _attr(node: onnx.NodeProto, name: str, default: float) -> float:
+    return next((a.f for a in node.attribute if a.name == name), default)
+
+
+def _elu(emit: Emit, const: Callable[[float], str], x: str, alpha: float, scale_inside: float = 1.0) -> str:
+    negative = emit("Min", [x, const(0.0)], {})
+    if scale_inside != 1.0:
+        negative = emit("Mul", [negative, const(scale_inside)], {})
+    curve = emit("Mul", [emit("Sub", [emit("Exp", [negative], {}), const(1.0)], {}), const(alpha)], {})
+    return emit("Where", [emit("Greater", [x, const(0.0)], {}), x, curve], {})
+
+
+def _write(node: onnx.NodeProto, emit: Emit, const: Callable[[float], str]) -> str | None:
+    """The decomposition of `node`, returning the name of the value that replaces its output (None: not one of
+    ours)."""
+    x = node.input[0]
+    op = node.op_type
+    if op == "HardSigmoid":
+        scaled = emit("Mul", [x, const(_attr(node, "alpha", 0.2))], {})
+        return emit("Clip", [emit("Add", [scaled, const(_attr(node, "beta", 0.5))], {}), const(0.0), const(1.0)], {})
+    if op == "HardSwish":
+        gate = emit(
+            "Clip", [emit("Add", [emit("Mul", [x, const(1 / 6)], {}), const(0.5)], {}), const(0.0), const(1.0)], {}
+        )
+        return emit("Mul", [x, gate], {})
+    if op == "Elu":
+        return _elu(emit, const, x, _attr(node, "alpha", 1.0))
+    if op == "Selu":
+        elu = _elu(emit, const, x, _attr(node, "alpha", 1.67326319217681884765625))
+        return emit("Mul", [elu, const(_attr(node, "gamma", 1.05070102214813232421875))], {})
+    if op == "Celu":
+        alpha = _attr(node, "alpha", 1.0)
+        return _elu(emit, const, x, alpha, scale_inside=1 / alpha)
+    if op == "Softplus":
+        capped = emit("Min", [x, const(20.0)], {})
+        smooth = emit("Log", [emit("Add", [emit("Exp", [capped], {}), const(1.0)], {})], {})
+        return emit("Where", [emit("Greater", [x, const(20.0)], {}), x, smooth], {})
+    if op == "PRelu":
+        slope = node.input[1]
+        negative = emit("Relu", [emit("Neg", [x], {})], {})
+        return emit("Sub", [emit("Relu", [x], {}), emit("Mul", [slope, negative], {})], {})
+    return None
+
+
+OPS = ("HardSigmoid", "HardSwish", "Elu", "Selu", "Celu", "Softplus", "PRelu")
+
+
+def decompose_ops_without_gradient(model: onnx.ModelProto) -> int:
+    """Rewrite every node of `OPS` (default domain) in the forward graph; returns how many."""
+    graph = model.graph
+    if not any(node.op_type in OPS and node.domain in ("", "ai.onnx") for node in graph.node):
+        return 0
+    types = _value_types(model)
+    nodes: list[onnx.NodeProto] = []
+    changed = 0
+    for node in graph.node:
+        if node.op_type not in OPS or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        type_ = types.get(node.input[0])
+        elem = type_.tensor_type.elem_type if type_ is not None and type_.tensor_type.elem_type else TensorProto.FLOAT
+        base = node.name or node.output[0]
+        written: list[onnx.NodeProto] = []
+
+        def emit(op: str, inputs: list[str], attrs: dict, base=base, written=written) -> str:
+            out = f"{base}/{op}_{len(written)}"
+            written.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+            return out
+
+        def const(value: float, base=base, written=written, elem=elem) -> str:
+            out = f"{base}/const_{len(written)}"
+            tensor = helper.make_tensor(out, elem, [], [value])
+            written.append(helper.make_node("Constant", [], [out], name=out, value=tensor))
+            return out
+
+        result = _write(node, emit, const)
+        last = next(n for n in reversed(written) if result in n.output)
+        last.output[0] = node.output[0]  # the last op writes the original output
+        nodes.extend(written)
+        changed += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return changed

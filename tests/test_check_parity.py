@@ -1,0 +1,61 @@
+"""ortflow-check's verdict: step-1 gradients against eager's first, then the losses against eager's own noise floor
+(eager with every weight one ulp away)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ortflow.cli import parity
+from ortflow.cli.check import check
+from tests.conftest import REPO
+
+DIGITS = ["data=digits", "data.batch_size=32"]
+
+
+def test_every_weight_moves_by_exactly_one_ulp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    parity.perturbed(model, seed=0)
+    for name, value in model.state_dict().items():
+        old = before[name]
+        assert not torch.equal(value, old), name
+        up, down = torch.nextafter(old, torch.tensor(math.inf)), torch.nextafter(old, torch.tensor(-math.inf))
+        assert torch.all((value == up) | (value == down)), name
+        assert torch.any(value == up) and torch.any(value == down), name  # both directions drawn
+
+
+@pytest.mark.parametrize(
+    ("row", "floor", "says"),
+    [
+        ({"grad_rel_diff": 3e-4, "max_rel_loss_diff": 1e-9}, 0.5, "differs: step-1 gradients 3.0e-04"),
+        ({"grad_rel_diff": 1e-6, "max_rel_loss_diff": 2e-3}, 5e-3, "within eager's own noise"),
+        ({"grad_rel_diff": 1e-6, "max_rel_loss_diff": 7e-2}, 9e-2, "within eager's own noise (chaotic model)"),
+        ({"grad_rel_diff": 1e-6, "max_rel_loss_diff": 5e-5}, 1e-7, "within eager's own noise"),  # fp32 tolerance
+        ({"grad_rel_diff": 1e-6, "max_rel_loss_diff": 3e-2}, 1e-3, "differs: loss 3.0e-02 beyond"),
+    ],
+)
+def test_the_verdict_is_gated_on_the_step_one_gradients_then_the_floor(row, floor, says):
+    assert parity.verdict(row, floor).startswith(says)
+
+
+def test_gradient_difference_is_relative_to_eagers_norm():
+    want = {"a": np.array([3.0, 4.0], np.float32), "b": np.zeros(2, np.float32)}
+    got = {"a": np.array([3.0, 4.0], np.float32), "b": np.array([0.0, 5e-4], np.float32)}
+    assert parity.gradient_difference(got, want) == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_check_gives_each_engine_a_verdict_against_eagers_noise(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    report = check(
+        ["model=custom", "model._target_=tests.zoo.cnn_batchnorm", *DIGITS], 3, ["none", "ortmodule", "artifacts"]
+    )
+    assert report["noise_floor"] is not None and len(report["noise_floors"]) == len(parity.NOISE_SEEDS)
+    assert report["noise_floor"] > 0  # one ulp moves eager's own loss
+    rows = {r["mode"]: r for r in report["rows"]}
+    for mode in ("ortmodule", "artifacts"):
+        assert rows[mode]["grad_rel_diff"] < parity.GRADIENT_TOLERANCE, rows[mode]
+        assert rows[mode]["verdict"].startswith("within eager's own noise"), rows[mode]
