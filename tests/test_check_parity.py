@@ -59,3 +59,17 @@ def test_check_gives_each_engine_a_verdict_against_eagers_noise(monkeypatch):
     for mode in ("ortmodule", "artifacts"):
         assert rows[mode]["grad_rel_diff"] < parity.GRADIENT_TOLERANCE, rows[mode]
         assert rows[mode]["verdict"].startswith("within eager's own noise"), rows[mode]
+
+
+def test_check_holds_a_bf16_row_to_eager_bf16s_own_distance_from_fp32():
+    report = check(["+recipe=digits", "data.batch_size=32"], 3, ["none", "artifacts"], ("fp32", "bf16-mixed"))
+    rows = {(r["mode"], r["precision"]): r for r in report["rows"]}
+    assert set(rows) == {(m, p) for m in ("none", "artifacts") for p in ("fp32", "bf16-mixed")}
+    low = report["precision_floors"]["bf16-mixed"]
+    assert low["loss"] > report["noise_floor"] and low["step1_grads"] > parity.GRADIENT_TOLERANCE  # bf16 rounds
+    bf16 = rows[("artifacts", "bf16-mixed")]
+    assert bf16["graph_fixes"]["matmuls_run_by_torch_bf16"] >= 1
+    assert bf16["grad_rel_diff"] <= low["step1_grads"], bf16
+    assert bf16["verdict"].startswith("within eager bf16-mixed's own noise"), bf16
+    # The same rule an fp32 row is held to would call it different: the bf16 floor is what makes it fair.
+    assert parity.verdict(bf16, report["noise_floor"]).startswith("differs")

@@ -2,6 +2,8 @@
 the overrides describe, and print one table: whether each mode trains (or the one-line reason it does not), loss
 parity against eager on the same batches and the same initial weights (dropout off), step-1 gradients against
 eager's, a verdict against eager's own noise floor (cli/parity.py), step time, and the graph fixes ortflow applied.
+With `--precision fp32,bf16-mixed` every mode is tried in each precision, against eager in the same precision; a bf16
+row's noise floor is eager bf16's own distance from eager fp32 (losses and step-1 gradients).
 The result also goes to a JSON file (`--out`, default outputs/check/<time>.json).
 """
 
@@ -25,7 +27,7 @@ from torch import nn
 
 from ortflow import accel
 from ortflow.cli import parity
-from ortflow.config import register_configs
+from ortflow.config import BF16, FP32, register_configs
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.model.probe import training_forward_probe
@@ -36,8 +38,13 @@ from ortflow.run.seeding import seed_everything, seed_step
 from ortflow.step.batch import layout_of, split_batch
 from ortflow.validate import problems
 
-# Every accel mode the config tree offers (conf/accel/*.yaml), eager first: it is the reference.
-MODES = tuple(sorted((p.stem for p in (config_dir() / "accel").glob("*.yaml")), key=lambda m: (m != "none", m)))
+# Every accel mode the config tree offers (conf/accel/*.yaml), eager first: it is the reference. accel=auto is left
+# out: it trains with one of the others (its probe is its own comparison).
+MODES = tuple(
+    sorted(
+        (p.stem for p in (config_dir() / "accel").glob("*.yaml") if p.stem != "auto"), key=lambda m: (m != "none", m)
+    )
+)
 
 
 def _compose(overrides: list[str], mode: str):
@@ -118,33 +125,49 @@ def try_mode(
     return row
 
 
-def check(overrides: list[str], steps: int, modes: list[str]) -> dict[str, Any]:
-    """Build the model once (checking its contract), then try each mode on a copy of it."""
+def check(overrides: list[str], steps: int, modes: list[str], precisions: tuple[str, ...] = (FP32,)) -> dict[str, Any]:
+    """Build the model once (checking its contract), then try each mode on a copy of it, in each precision."""
     register_configs()
     cfg = _compose(overrides, "none")
     seed_everything(cfg.seed)
     data = build_data(cfg)
     model = without_dropout(build_model(cfg, data))
     random = draws_random_numbers(model, split_batch(next(iter(data.train)))[0])
-    rows, reference, eager_grads = [], None, {}
-    for mode in ["none", *[m for m in modes if m != "none"]]:
-        row = try_mode(mode, overrides, steps, model, reference)
-        got = row.pop("_grads", None)
-        if mode == "none":
-            reference, eager_grads = row.get("losses"), got or {}
-        elif got is not None:
-            row["grad_rel_diff"] = parity.gradient_difference(got, eager_grads)
-        if mode in modes:
-            rows.append(row)
+    rows: list[dict[str, Any]] = []
+    eager: dict[str, tuple[list[float] | None, dict]] = {}  # precision -> eager's losses and step-1 gradients
+    for precision in dict.fromkeys((FP32, *precisions)):  # eager fp32 first: every floor is measured from it
+        settings = [*overrides, f"trainer.precision={precision}"]
+        reference = None
+        for mode in ["none", *[m for m in modes if m != "none"]]:
+            row = try_mode(mode, settings, steps, model, reference) | {"precision": precision}
+            got = row.pop("_grads", None)
+            if mode == "none":
+                reference = row.get("losses")
+                eager[precision] = (reference, got or {})
+            elif got is not None:
+                row["grad_rel_diff"] = parity.gradient_difference(got, eager[precision][1])
+            if mode in modes and precision in precisions:
+                rows.append(row)
     floors = []
-    if reference is not None:  # eager against itself, every weight one ulp away: the noise any engine is held to
+    reference_fp32, grads_fp32 = eager[FP32]
+    if reference_fp32 is not None:  # eager against itself, every weight one ulp away: the noise any engine is held to
         for seed in parity.NOISE_SEEDS:
-            noisy = try_mode("none", overrides, steps, parity.perturbed(copy.deepcopy(model), seed), reference, False)
+            noisy = try_mode(
+                "none", overrides, steps, parity.perturbed(copy.deepcopy(model), seed), reference_fp32, False
+            )
             floors.append(noisy.get("max_rel_loss_diff", math.nan))
     floor = max(floors) if floors and all(map(math.isfinite, floors)) else None
+    low = {}  # precision -> (loss floor, gradient tolerance): eager in it against eager fp32
+    for precision, (losses, grads) in eager.items():
+        if precision != FP32 and losses is not None and reference_fp32 is not None:
+            loss_floor = max(abs(a - b) / abs(b) for a, b in zip(losses, reference_fp32, strict=True))
+            low[precision] = (max(loss_floor, floor or 0.0), parity.gradient_difference(grads, grads_fp32))
     for row in rows:
         if row["mode"] != "none" and row.get("trains"):
-            row["verdict"] = parity.verdict(row, floor)
+            if row["precision"] == FP32:
+                row["verdict"] = parity.verdict(row, floor)
+            elif row["precision"] in low:
+                row["verdict"] = parity.verdict(row, *low[row["precision"]], what=f"eager {row['precision']}")
     target = cfg.model.get("_target_", "?")
     return {
         "overrides": overrides,
@@ -153,6 +176,7 @@ def check(overrides: list[str], steps: int, modes: list[str]) -> dict[str, Any]:
         "rows": rows,
         "noise_floor": floor,
         "noise_floors": floors,
+        "precision_floors": {p: {"loss": f, "step1_grads": g} for p, (f, g) in low.items()},
         "chaotic": floor is not None and floor > parity.CHAOTIC_FLOOR,
         "random_forward": random,
         "torch": torch.__version__,
@@ -179,6 +203,12 @@ def _floor_text(report: dict[str, Any]) -> str:
             f"; over {parity.CHAOTIC_FLOOR:.0e}: a chaotic model, whose loss after a few steps depends on the last "
             "bit of its weights"
         )
+    for precision, low in report.get("precision_floors", {}).items():
+        grads = f"{low['step1_grads']:.1e}" if low["step1_grads"] is not None else "-"
+        text += (
+            f"\n{precision} rows are held to eager {precision}'s own distance from eager fp32: loss {low['loss']:.1e}, "
+            f"step-1 gradients {grads}"
+        )
     return text
 
 
@@ -187,18 +217,20 @@ def _table(report: dict[str, Any]) -> Table:
     table = Table(
         title=f"ortflow-check: {report['model']} ({report['steps']} steps, dropout off)", caption="\n".join(caption)
     )
-    columns = ("accel", "trains", "executed by", "loss vs eager", "step-1 grads vs eager", "verdict", "step ms")
+    columns = ("accel", "precision", "trains", "executed by", "loss vs eager", "step-1 grads vs eager", "verdict")
+    columns = (*columns, "step ms")
     for column in (*columns, "first step s", "graph fixes"):
         table.add_column(column)
     for r in report["rows"]:
         if not r["trains"]:
             reason = "[red]no[/red]: " + r.get("reason", r.get("executed_by", ""))
-            table.add_row(r["mode"], reason, "", "", "", "", "", "", "")
+            table.add_row(r["mode"], r.get("precision", FP32), reason, "", "", "", "", "", "", "")
             continue
         loss = r.get("max_rel_loss_diff")
         grads = r.get("grad_rel_diff")
         table.add_row(
             r["mode"],
+            r.get("precision", FP32),
             "[green]yes[/green]",
             r["executed_by"],
             "reference" if r["mode"] == "none" else (f"{loss:.1e}" if loss is not None else "-"),
@@ -216,8 +248,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="the same overrides as a training run (accel= is ignored)")
     parser.add_argument("--steps", type=int, default=5, help="training steps per mode (default 5)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated accel modes (default: all)")
+    parser.add_argument(
+        "--precision",
+        default=FP32,
+        help=f"comma-separated trainer.precision values to try every mode in ({FP32}, {BF16}; default {FP32})",
+    )
     parser.add_argument("--out", type=Path, help="JSON file (default outputs/check/<time>.json)")
     args = parser.parse_args(argv)
+    precisions = tuple(args.precision.split(","))
+    if wrong := [p for p in precisions if p not in (FP32, BF16)]:
+        parser.error(f"--precision: unknown precision(s) {wrong}; choose from {FP32},{BF16}")
     out = args.out or Path("outputs") / "check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.json"
     overrides = [o for o in args.overrides if not o.startswith("accel=")]
     # Other libraries' notices (torch's tracer and deprecation warnings, transformers, ONNX Runtime's native log
@@ -226,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         terminal.quiet_import("torch.utils.cpp_extension")
         try:
             with terminal.native_stderr("ortflow-check"):
-                report = check(overrides, max(args.steps, 2), args.modes.split(","))
+                report = check(overrides, max(args.steps, 2), args.modes.split(","), precisions)
         except OrtflowError as err:
             print(f"ortflow-check: error: {err}", file=sys.stderr)
             sys.exit(2)

@@ -76,14 +76,18 @@ def gradient_difference(got: dict[str, np.ndarray], want: dict[str, np.ndarray])
     return math.sqrt(diff) / math.sqrt(norm) if norm > 0 else math.sqrt(diff)
 
 
-def verdict(row: dict[str, Any], floor: float | None) -> str:
-    """The verdict for one engine's row (`grad_rel_diff`, `max_rel_loss_diff`) against eager's noise floor."""
+def verdict(
+    row: dict[str, Any], floor: float | None, gradient_tolerance: float | None = GRADIENT_TOLERANCE, what: str = "eager"
+) -> str:
+    """The verdict for one engine's row (`grad_rel_diff`, `max_rel_loss_diff`) against eager's noise floor. A bf16 row
+    is held to eager bf16's own distance from eager fp32: `floor` and `gradient_tolerance` are that distance."""
+    tolerance = GRADIENT_TOLERANCE if gradient_tolerance is None else max(gradient_tolerance, GRADIENT_TOLERANCE)
     grads, losses = row.get("grad_rel_diff"), row.get("max_rel_loss_diff")
-    if grads is not None and not grads <= GRADIENT_TOLERANCE:
-        return f"differs: step-1 gradients {grads:.1e} from eager's (over {GRADIENT_TOLERANCE:.0e})"
+    if grads is not None and not grads <= tolerance:
+        return f"differs: step-1 gradients {grads:.1e} from {what}'s (over {tolerance:.0e})"
     if losses is None or floor is None:
         return "-"
     chaotic = floor > CHAOTIC_FLOOR
-    if losses <= max(floor, GRADIENT_TOLERANCE):
-        return "within eager's own noise" + (" (chaotic model)" if chaotic else "")
-    return f"differs: loss {losses:.1e} beyond eager's own noise {floor:.1e}"
+    if losses <= max(floor, tolerance):
+        return f"within {what}'s own noise" + (" (chaotic model)" if chaotic else "")
+    return f"differs: loss {losses:.1e} beyond {what}'s own noise {floor:.1e}"
