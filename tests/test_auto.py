@@ -71,3 +71,20 @@ def test_trainer_precision_auto_probes_bf16_only_on_a_cpu_with_bf16_units(monkey
     monkeypatch.setattr(auto.machine, "bf16_units", lambda: False)
     assert auto.precisions("auto") == ["fp32"]
     assert auto.precisions("bf16-mixed") == ["bf16-mixed"]
+
+
+def test_trainer_precision_auto_measures_the_engine_in_both_precisions_where_the_cpu_has_bf16_units(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setattr(auto.machine, "bf16_units", lambda: True)
+    record = run(tmp_path / "units", "accel=artifacts", "trainer.precision=auto")
+    choice = record["engine"]["auto"]["choice"]
+    assert choice["by"] == "trainer.precision=auto" and record["engine"]["engine"] == "artifacts"
+    assert {(p["engine"], p["precision"]) for p in record["engine"]["auto"]["probes"]} == {
+        ("artifacts", "fp32"),
+        ("artifacts", "bf16-mixed"),
+    }
+    assert record["precision"] == choice["precision"]
+    monkeypatch.setattr(auto.machine, "bf16_units", lambda: False)
+    record = run(tmp_path / "none", "accel=artifacts", "trainer.precision=auto")
+    assert record["precision"] == "fp32" and record["engine"]["auto"]["probes"] == []  # nothing to choose: no probe

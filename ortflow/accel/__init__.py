@@ -12,13 +12,16 @@ The runner, loop, validation and distributed code never name a mode; they go thr
 engine is one module plus one yaml file (found through `hydra.searchpath` when it lives outside ortflow).
 """
 
+import dataclasses
 import importlib
 from types import ModuleType
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ortflow import machine
 from ortflow.accel.engine import Engine, EngineContext
+from ortflow.config import AUTO
 from ortflow.errors import OrtflowError
 
 # The engines shipped with ortflow (their yaml files are conf/accel/<name>.yaml).
@@ -73,9 +76,16 @@ def settings_of(accel: DictConfig) -> dict[str, Any]:
 
 
 def build(accel: DictConfig, ctx: EngineContext) -> Engine:
-    """Instantiate the engine `accel` names: `build(ctx, **settings)` of its module."""
+    """Instantiate the engine `accel` names: `build(ctx, **settings)` of its module. With trainer.precision=auto
+    (ctx.precision AUTO) a built-in engine is measured in each precision the CPU runs fast (accel/auto.py); another
+    engine trains in bf16-mixed where the CPU has bf16 units."""
     module = engine_module(accel)
     builder = getattr(module, accel._target_.rpartition(".")[2])
+    if ctx.precision == AUTO and module.NAME != "auto":
+        auto = importlib.import_module("ortflow.accel.auto")
+        if module.NAME in auto.ENGINES:
+            return auto.with_precision_probe(module.NAME, ctx, settings_of(accel))
+        ctx = dataclasses.replace(ctx, precision=machine.resolve_precision(AUTO))
     return builder(ctx, **settings_of(accel))
 
 

@@ -259,9 +259,9 @@ def choose(probes: list[Probe]) -> Probe:
     return min(ran, key=lambda p: p.step_ms)
 
 
-def table(probes: list[Probe], chosen: Probe, cached: bool) -> Table:
+def table(probes: list[Probe], chosen: Probe, cached: bool, by: str = "accel=auto") -> Table:
     fastest = chosen.step_ms
-    title = "accel=auto: " + ("the probe of this model and batch cached on this machine" if cached else "probe")
+    title = f"{by}: " + ("the probe of this model and batch cached on this machine" if cached else "probe")
     t = Table(title=title, title_justify="left")
     for col in ("engine", "precision", "ms/step", "x fastest", "first step", ""):
         t.add_column(col, justify="left" if col in ("engine", "precision", "") else "right")
@@ -275,12 +275,11 @@ def table(probes: list[Probe], chosen: Probe, cached: bool) -> Table:
     return t
 
 
-def decide(ctx: EngineContext, settings: dict[str, Any]) -> tuple[Probe, list[Probe], bool]:
-    """Probe (or read the cache) on this process: the chosen probe, every probe, whether they came from the cache."""
-    cfg = ctx.config
-    names = candidates(cfg) if cfg is not None else list(settings["candidates"])
-    requested = cfg.trainer.precision if cfg is not None else ctx.precision
-    wanted = precisions(requested)
+def decide(
+    ctx: EngineContext, settings: dict[str, Any], names: list[str], wanted: list[str]
+) -> tuple[Probe, list[Probe], bool]:
+    """Probe engines `names` in precisions `wanted` (or read the cache) on this process: the chosen probe, every probe,
+    whether they came from the cache."""
     key = cache_key(ctx, names, wanted, settings)
     probes = _read_cache(key) if settings["cache"] else None
     cached = probes is not None
@@ -314,21 +313,39 @@ class AutoEngine:
 
 
 def build(ctx: EngineContext, **settings: Any) -> AutoEngine:
-    if ctx.resumed_choice and ctx.resumed_choice.get("accel") in ENGINES:
+    """`accel=auto`: the fastest candidate engine (in each precision trainer.precision allows), measured."""
+    names = candidates(ctx.config) if ctx.config is not None else list(settings["candidates"])
+    return _build(ctx, settings, names, "accel=auto")
+
+
+def with_precision_probe(name: str, ctx: EngineContext, settings: dict[str, Any]) -> AutoEngine:
+    """`trainer.precision=auto` with engine `name`: that engine in fp32 and, on a CPU with bf16 units, in bf16-mixed,
+    measured the same way; the faster one trains."""
+    own = {f.name: f.default for f in dataclasses.fields(Settings) if f.name in ("probe_steps", "cache", "timeout_s")}
+    return _build(ctx, {**own, **settings, "candidates": [name]}, [name], "trainer.precision=auto")
+
+
+def _build(ctx: EngineContext, settings: dict[str, Any], names: list[str], by: str) -> AutoEngine:
+    wanted = precisions(ctx.config.trainer.precision if ctx.config is not None else ctx.precision)
+    probes: list[dict[str, Any]] = []
+    resumable = ENGINES if by == "accel=auto" else names  # accel=auto keeps whichever engine it chose before
+    if ctx.resumed_choice and ctx.resumed_choice.get("accel") in resumable:
         choice = {**ctx.resumed_choice, "resumed": True}
-        probes: list[dict[str, Any]] = []
         log.warning(
-            "accel=auto: keeping the choice of the run being resumed: accel=%s, trainer.precision=%s (no probe)",
+            "%s: keeping the choice of the run being resumed: accel=%s, trainer.precision=%s (no probe)",
+            by,
             choice["accel"],
             choice["precision"],
         )
+    elif len(names) * len(wanted) == 1:  # nothing to choose between
+        choice = {"accel": names[0], "precision": wanted[0], "probed": False}
     else:
 
         def probe() -> dict[str, Any]:
-            chosen, found, cached = decide(ctx, settings)
-            terminal.console().print(table(found, chosen, cached))
+            chosen, found, cached = decide(ctx, settings, names, wanted)
+            terminal.console().print(table(found, chosen, cached, by))
             terminal.console().print(
-                f"accel=auto chose accel={chosen.engine} with trainer.precision={chosen.precision} "
+                f"{by} chose accel={chosen.engine} with trainer.precision={chosen.precision} "
                 f"({chosen.step_ms:.1f} ms/step on the example batch)"
             )
             choice = {"accel": chosen.engine, "precision": chosen.precision, "cached": cached}
@@ -336,11 +353,10 @@ def build(ctx: EngineContext, **settings: Any) -> AutoEngine:
 
         decision = distributed.from_main(probe, settings["timeout_s"])
         choice, probes = decision["choice"], decision["probes"]
-        log.info("accel=auto: %s", json.dumps(decision))
+        log.info("%s: %s", by, json.dumps(decision))
     name, precision = choice["accel"], choice["precision"]
     try:
         engine = ENGINES[name].build(dataclasses.replace(ctx, precision=precision), **_settings_for(name, settings))
     except OrtflowError as err:
-        raise ConfigError(f"accel=auto chose accel={name}, which then failed to build: {err}") from err
-    choice = {**choice, "title": ENGINES[name].TITLE}
-    return AutoEngine(engine, choice, probes)
+        raise ConfigError(f"{by} chose accel={name}, which then failed to build: {err}") from err
+    return AutoEngine(engine, {**choice, "by": by, "title": ENGINES[name].TITLE}, probes)

@@ -37,9 +37,9 @@ class EngineContext:
         reduce_loss: turns this process's loss into the global one (the mean over ranks); None for one process.
         accumulate: micro-batches per optimizer step (trainer.accumulate_grad_batches); with more than 1 the loop
             calls `train_micro`.
-        precision: FP32 or BF16 (trainer.precision, `auto` already resolved): with BF16 an engine computes matrix
-            multiplies, linear layers and convolutions in bf16 as torch's CPU autocast does; weights, optimizer state,
-            normalisation, softmax, losses and reductions stay fp32.
+        precision: FP32 or BF16 (trainer.precision; AUTO reaches only accel.build, which measures or resolves it):
+            with BF16 an engine computes matrix multiplies, linear layers and convolutions in bf16 as torch's CPU
+            autocast does; weights, optimizer state, normalisation, softmax, losses and reductions stay fp32.
     """
 
     model: nn.Module

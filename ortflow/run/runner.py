@@ -159,7 +159,7 @@ def engine_context(
         wrap=distributed.wrapper(cfg.distributed, world),
         reduce_loss=distributed.mean_across_ranks if world.size > 1 else None,
         accumulate=cfg.trainer.accumulate_grad_batches,
-        precision=machine.resolve_precision(cfg.trainer.precision),
+        precision=cfg.trainer.precision,  # auto: resolved by the engine's build (accel.build)
         config=cfg,
         resumed_choice=resumed_choice,
     )
@@ -199,7 +199,7 @@ def header(cfg: DictConfig, overrides: list[str], model: nn.Module, engine: Engi
     target = str(cfg.model.get("_target_", type(model).__name__)).rsplit(".", 1)[-1]
     choice = getattr(engine, "choice", None)  # accel=auto's
     title = choice["title"] if choice else getattr(accel.engine_module(cfg.accel), "TITLE", engine.name)
-    mode = f"accel=auto -> {engine.name}" if choice else f"accel={engine.name}"
+    mode = f"accel=auto -> {engine.name}" if choice and choice["by"] == "accel=auto" else f"accel={engine.name}"
     steps = f"steps {start + 1}-{cfg.trainer.max_steps}" if start else f"{cfg.trainer.max_steps} steps"
     precision = engine_precision(cfg, engine)
     parts = [f"recipe {recipe}" if recipe else None, f"{target} ({size} parameters)", f"{mode}: {title}"]
