@@ -31,6 +31,7 @@ class TransformerModelConfig:
     dim_feedforward: int = ranged(2048, Ge(1))  # nn.TransformerEncoderLayer's default
     dropout: float = ranged(0.1, PROBABILITY)  # nn.TransformerEncoderLayer's default
     causal: bool = True  # attend only to earlier positions (a language model must not see the next token)
+    freeze: list[str] = field(default_factory=list)  # globs of parameters/modules that do not train (model/freeze.py)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class MLPModelConfig:
     num_classes: int = ranged(10, Ge(1))  # outputs per sample (1 for one regression target)
     hidden: list[int] = ranged([128, 64], each=Ge(1))
     dropout: float = ranged(0.0, PROBABILITY)
+    freeze: list[str] = field(default_factory=list)  # globs of parameters/modules that do not train (model/freeze.py)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class HFModelConfig:
     max_positions: int | None = ranged(None, Ge(1))  # random init: the context length (the data's block size)
     num_labels: int | None = ranged(None, Ge(2))  # classification heads: classes
     output: str = "logits"  # the output field the forward returns
+    freeze: list[str] = field(default_factory=list)  # globs of parameters/modules that do not train (model/freeze.py)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class ResNetModelConfig:
     in_channels: int = ranged(3, Ge(1))  # 3 for RGB images (data=images and data=image_folder give RGB)
     width: int = ranged(16, Ge(1))  # channels of the first stage; each later stage doubles them
     blocks: list[int] = ranged([1, 1, 1], Len(1, 8), each=Ge(1))  # BasicBlocks per stage (CIFAR ResNet-20: [3, 3, 3])
+    freeze: list[str] = field(default_factory=list)  # globs of parameters/modules that do not train (model/freeze.py)
 
 
 @dataclass
@@ -73,6 +77,7 @@ class TorchvisionModelConfig:
     num_classes: int = ranged(10, Ge(1))
     weights: str | None = None  # null: random init, no download; a weights name (e.g. DEFAULT) downloads them
     kwargs: dict[str, Any] = field(default_factory=dict)  # the builder's other keyword arguments
+    freeze: list[str] = field(default_factory=list)  # globs of parameters/modules that do not train (model/freeze.py)
 
 
 # ------------------------------------------------------------------------------------------------------ data

@@ -15,6 +15,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from ortflow import accel, distributed, ranges
 from ortflow.errors import collect
 from ortflow.model import OUTPUT_KEY
+from ortflow.model.freeze import FREEZE_KEY
 from ortflow.run.trainer import FINAL_METRICS
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
     if dataclasses.is_dataclass(schema):
         declared = {f.name for f in dataclasses.fields(schema)}
         if path == "model.":
-            declared.add(OUTPUT_KEY)  # ortflow's own key in every model group (+model._output_=KEY), never ignored
+            declared.update((OUTPUT_KEY, FREEZE_KEY))  # ortflow's own keys in every model group, never ignored
         for key in node:
             if key not in declared:
                 found.append(f"{path}{key} is not a setting ortflow knows; remove it (known: {sorted(declared)}).")
