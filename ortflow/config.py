@@ -80,6 +80,24 @@ class TorchvisionModelConfig:
     freeze: list[str] = field(default_factory=list)  # globs of parameters/modules that do not train (model/freeze.py)
 
 
+class LoraBias(Enum):
+    none = "none"
+    all = "all"
+    lora_only = "lora_only"
+
+
+@dataclass
+class LoraConfig:
+    """+peft=lora: LoRA adapters through the peft library (ortflow/model/lora.py)."""
+
+    method: str = "lora"
+    r: int = ranged(8, Ge(1))  # the adapters' rank
+    alpha: float = ranged(16.0, Gt(0))  # the adapters' output is scaled by alpha / r
+    dropout: float = ranged(0.0, PROBABILITY)  # dropout on the adapters' input
+    target_modules: list[str] | None = None  # null: peft's defaults for the transformers architecture
+    bias: LoraBias = LoraBias.none  # which biases train too
+
+
 # ------------------------------------------------------------------------------------------------------ data
 @dataclass
 class TextDataConfig:
@@ -314,6 +332,10 @@ class ExportConfig:
     # The largest |ONNX Runtime - torch| difference accepted on validation batches, relative to the outputs' largest
     # magnitude (at least 1); above it the run fails and the file is removed.
     tolerance: float = ranged(1e-4, Interval(gt=0, lt=1))
+    # true: <run dir>/hf/, the trained transformers model (model=hf) by save_pretrained, with the run's tokenizer,
+    # loaded back with transformers and checked against the run's outputs (export.tolerance); LoRA merged in.
+    hf: bool = False
+    hf_adapter_only: bool = False  # with +peft=lora: hf/ holds the adapter folder peft loads onto the base model
 
 
 @dataclass
@@ -337,6 +359,7 @@ class Config:
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
     export: ExportConfig = field(default_factory=ExportConfig)
+    peft: Any = None  # +peft=lora: adapters instead of full fine-tuning (conf/peft/)
     seed: int = ranged(0, SEED)  # seeds python, numpy, torch, ORT and the data order
     objective: str = "eval/loss"  # the metric a sweep job returns (Optuna optimises it): see validate.objectives
 
@@ -359,6 +382,7 @@ _SCHEMAS: dict[str, dict[str, type]] = {
         "images": ImagesDataConfig,
         "image_folder": ImageFolderDataConfig,
     },
+    "peft": {"lora": LoraConfig},
     "loss": {"cross_entropy": CrossEntropyLossConfig, "mse": MSELossConfig, "bce_with_logits": BCEWithLogitsLossConfig},
 }
 

@@ -123,7 +123,7 @@ def load_weights(model: nn.Module, payload: dict[str, Any], path: Path, max_step
 
 def frozen_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters that do not train (model.freeze, LoRA's base weights), by state_dict name."""
-    return {name: p for name, p in model.named_parameters() if not p.requires_grad}
+    return {name: p for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def frozen_base(model: nn.Module) -> str | None:

@@ -28,9 +28,10 @@ from ortflow.model import OUTPUT_KEY, select_output, sequence_first
 from ortflow.model.batch_dependence import BatchDependence
 from ortflow.model.contract import check_builder_result, check_model
 from ortflow.model.freeze import FREEZE_KEY, ParameterCount, freeze
+from ortflow.model.hf import check_vocabulary
 from ortflow.report import terminal
 from ortflow.report.logger import RunLogger
-from ortflow.run import checkpoint, export, pruning
+from ortflow.run import checkpoint, export, export_hf, pruning
 from ortflow.run.rundir import RunDir
 from ortflow.run.seeding import seed_everything
 from ortflow.run.signals import Interrupted, Preempted, interrupt_on_signals, uninterrupted
@@ -130,7 +131,13 @@ def build_checked_model(cfg: DictConfig, data: Data) -> tuple[nn.Module, BatchDe
     node = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k not in (OUTPUT_KEY, FREEZE_KEY)])
     _vocabulary(node, data)
     model = check_builder_result(_build("model", node), target)
+    if node.get("name_or_path"):
+        check_vocabulary(model, data.info.get("vocab_size"), node.name_or_path)
     model = freeze(model, frozen)
+    if cfg.get("peft") is not None:
+        from ortflow.model.lora import apply_lora
+
+        model = apply_lora(model, cfg.peft)
     if output is not None:
         model = select_output(model, str(output))
     if not data.batch_first:
@@ -300,6 +307,8 @@ def _train(
     seed_everything(cfg.seed)
     data = build_data(cfg)
     model, dependence = build_checked_model(cfg, data)  # the same initial weights on every rank
+    if cfg.export.hf:
+        export_hf.check(model, cfg.export.hf_adapter_only)
     if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
         data.train = distributed.shard(data.train, world, cfg.seed)
     results: dict[str, Any] = {"data": data.info, "parameters": ParameterCount.of(model).as_dict()}
@@ -372,4 +381,8 @@ def _train(
     results["engine"] = execution
     if cfg.export.onnx and world.is_main:
         results["export"] = export.inference_onnx(model, final, data, run.path, cfg.export.opset, cfg.export.tolerance)
+    if cfg.export.hf and world.is_main:
+        inputs = split_batch(next(iter(data.val)))[0]
+        adapter_only, tolerance = cfg.export.hf_adapter_only, cfg.export.tolerance
+        results["export_hf"] = export_hf.save(model, data.run_files, inputs, run.path, adapter_only, tolerance)
     return metrics, results, model, data
