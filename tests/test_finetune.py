@@ -180,3 +180,14 @@ def test_a_sweep_over_the_rank_and_learning_rate_runs_every_job(saved, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     trainable = sorted(json.loads((d / "run.json").read_text())["parameters"]["trainable"] for d in run_dirs(tmp_path))
     assert len(trainable) == 2 and trainable[1] == 2 * trainable[0]  # the adapters' size follows peft.r
+
+
+def test_the_finetune_recipe_is_lora_with_an_hf_export_and_needs_a_pretrained_model():
+    from ortflow.api import compose
+    from ortflow.errors import ModelError
+
+    cfg = compose(["+recipe=finetune"])
+    assert cfg.peft.r == 8 and cfg.export.hf and cfg.model.task == "causal_lm"
+    with pytest.raises(ModelError, match=r"needs model\.name_or_path"):
+        check(["+recipe=finetune"], 1, ["none"])
+    assert compose(["+recipe=finetune", "~peft"]).peft is None  # full fine-tuning

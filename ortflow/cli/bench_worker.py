@@ -40,6 +40,7 @@ from ortflow.cli.bench import MODES, mode_config
 from ortflow.config import register_configs
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
+from ortflow.model.freeze import ParameterCount
 from ortflow.report import profile as profiling
 from ortflow.report.logger import RunLogger
 from ortflow.run.runner import build_data, build_engine, build_model, example_batch
@@ -172,6 +173,7 @@ def _start(args: argparse.Namespace, passes: int, scratch: Path, max_steps: int 
         "batches": batches,
         "first_step_s": first_step_s,
         "flops": flops,
+        "parameters": ParameterCount.of(model).as_dict(),  # before torch.compile wraps it: the same parameters
         "batch_size": batch_size(first[0]),
         **chosen,
     }
@@ -221,6 +223,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         "calibration_step_ms": s["calibration_step_ms"],
         "first_step_s": s["first_step_s"],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "parameters": s["parameters"],
         "flops_per_step": s["flops"],
         "runner_overhead": statistics.median(lp / b for lp, b in zip(loop, bare, strict=True)) - 1.0,
         "loop_outside_engine": statistics.median(outside),

@@ -47,6 +47,7 @@ def summarize(runs: list[dict[str, Any]], peak_gflops: float) -> list[dict[str, 
                 "passes": ok[0].get("passes"),
                 "first_step_s": statistics.median(r["first_step_s"] for r in ok),
                 "peak_rss_mb": max(r["peak_rss_mb"] for r in ok),
+                "trainable_params": ok[0].get("parameters", {}).get("trainable"),
                 "runner_overhead": statistics.median(r["runner_overhead"] for r in ok),
                 "loop_outside_engine": statistics.median(r["loop_outside_engine"] for r in ok),
                 "mfu": ok[0]["flops_per_step"] * median / ok[0]["batch_size"] / (peak_gflops * 1e9),
@@ -64,6 +65,7 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
     columns = (
         "setting",
         "mode",
+        "trainable",
         "samples/s (min-max)",
         "x eager",
         "timed steps",
@@ -77,11 +79,13 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
         t.add_column(col, justify="left" if col in ("setting", "mode") else "right")
     for r in rows:
         if "error" in r:
-            t.add_row(r["setting"], r["mode"], f"failed: {short(r['error'])}", *[""] * (len(columns) - 3))
+            t.add_row(r["setting"], r["mode"], "", f"failed: {short(r['error'])}", *[""] * (len(columns) - 4))
             continue
+        trainable = r.get("trainable_params")
         t.add_row(
             r["setting"],
             r["mode"],
+            f"{trainable / 1e6:.2f}M" if trainable is not None else "-",
             f"{r['samples_per_s']:.0f} ({r['samples_per_s_min']:.0f}-{r['samples_per_s_max']:.0f})",
             f"{r['vs_eager']:.2f}" if "vs_eager" in r else "-",
             f"{r['passes']} x {r['steps']:.0f}" if r.get("passes") else "-",
