@@ -102,6 +102,8 @@ def problems(cfg: DictConfig) -> list[str]:
             f"model.vocab_size={vocab}: byte-level text data (data.tokenizer=bytes) needs vocab_size >= 256; leave "
             "it null to follow the data."
         )
+    if cfg.export.hf_adapter_only and not cfg.export.hf:
+        found.append("export.hf_adapter_only=true shapes the export.hf folder; set export.hf=true too (or drop it).")
     return found
 
 

@@ -169,6 +169,13 @@ def test_lora_without_targets_on_a_plain_module_names_its_linear_layers():
         check(["model=mlp", "data=digits", "+peft=lora"], 1, ["none"])
 
 
+def test_the_adapter_folder_alone_needs_the_export():
+    from ortflow.validate import problems
+    from tests.conftest import make_cfg
+
+    assert any("set export.hf=true too" in p for p in problems(make_cfg("export.hf_adapter_only=true")))
+
+
 def test_export_hf_refuses_a_model_that_is_not_a_transformers_model(tmp_path):
     with pytest.raises(ConfigError, match=r"export\.hf=true .* not one"):
         train(["model=mlp", "data=digits", "export.hf=true", "trainer.max_steps=1"], run_dir=tmp_path / "run")
