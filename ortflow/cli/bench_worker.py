@@ -13,6 +13,7 @@ time has passed; their median time then decides how many steps fit in the budget
 """
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import gc
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,24 +112,48 @@ def choose_steps(
 
 
 def model_flops(model: torch.nn.Module, data: Data, objective: Loss) -> int:
-    """FLOPs of one training step (forward + backward), counted by torch on a copy of the model: on the meta
-    device (shapes only, no arithmetic: free at any size), or on the CPU for a model that cannot run there."""
+    """FLOPs of one training step (forward + backward), counted by torch: on a copy of the model on the meta
+    device (shapes only, no arithmetic: free at any size), or, for a model that cannot run there (a transformers
+    model calls .item()), on the model itself on the CPU, its buffers, gradients and the RNG restored afterwards (a
+    copy would add the model's size to the peak memory the bench reports)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     inputs, targets = example_batch(data.train)
     tensors = layout_of(inputs).flatten(inputs)
     for device in ("meta", "cpu"):
         try:
-            clone = copy.deepcopy(model).to(device).train()
-            with FlopCounterMode(display=False) as counter:
-                args = tuple(t.to(device) for t in tensors)
-                objective(layout_of(inputs).call(clone, args), targets.to(device)).backward()
-            return counter.get_total_flops()
+            with contextlib.ExitStack() as stack:
+                if device == "meta":
+                    counted = copy.deepcopy(model).to(device).train()
+                else:
+                    counted = stack.enter_context(_restored_after(model)).train()
+                with FlopCounterMode(display=False) as counter:
+                    args = tuple(t.to(device) for t in tensors)
+                    objective(layout_of(inputs).call(counted, args), targets.to(device)).backward()
+                return counter.get_total_flops()
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
             logging.getLogger(__name__).info("FLOPs not countable on %s (%s)", device, err)
             if device == "cpu":
                 raise
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _restored_after(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`model`, whose buffers (BatchNorm's statistics), training mode, gradients and the torch RNG (dropout) are as
+    before once the block ends."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    training = model.training
+    with torch.random.fork_rng():
+        try:
+            yield model
+        finally:
+            for param in model.parameters():
+                param.grad = None
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(buffers[name])
+            model.train(training)
 
 
 def _start(args: argparse.Namespace, passes: int, scratch: Path, max_steps: int | None = None) -> dict[str, Any]:
