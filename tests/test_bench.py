@@ -27,7 +27,7 @@ from ortflow.cli.bench import (
     summarize,
 )
 from ortflow.cli.bench_worker import CALIBRATION_S, choose_steps
-from ortflow.report.bench_tables import Reporter, table
+from ortflow.report.bench_tables import Reporter, rate, table
 from tests.conftest import TINY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -193,7 +193,9 @@ def test_a_failed_mode_is_reported_not_hidden():
     assert rows["none"]["trainable_params"] == 20_000  # LoRA against full fine-tuning: what trains
     console = Console(width=200, record=True)
     console.print(table(summary, "bench"))
-    assert "0.02M" in console.export_text()
+    text = console.export_text()
+    assert "0.02M" in text and "10 (10-10)" in text
+    assert rate(0.4771) == "0.48" and rate(123.4) == "123"
 
 
 def test_scaling_plot_takes_values_that_are_not_numbers(tmp_path):

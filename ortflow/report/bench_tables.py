@@ -86,7 +86,7 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
             r["setting"],
             r["mode"],
             f"{trainable / 1e6:.2f}M" if trainable is not None else "-",
-            f"{r['samples_per_s']:.0f} ({r['samples_per_s_min']:.0f}-{r['samples_per_s_max']:.0f})",
+            f"{rate(r['samples_per_s'])} ({rate(r['samples_per_s_min'])}-{rate(r['samples_per_s_max'])})",
             f"{r['vs_eager']:.2f}" if "vs_eager" in r else "-",
             f"{r['passes']} x {r['steps']:.0f}" if r.get("passes") else "-",
             f"{r['first_step_s']:.1f} s",
@@ -96,6 +96,11 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
             f"{100 * r['loop_outside_engine']:.2f}%",
         )
     return t
+
+
+def rate(samples_per_s: float) -> str:
+    """Samples/s to the unit from 10 up, two significant digits below (a large model's 0.48, not 0)."""
+    return f"{samples_per_s:.0f}" if samples_per_s >= 10 else f"{samples_per_s:.2g}"
 
 
 def short(error: str, limit: int = 160) -> str:
