@@ -173,7 +173,7 @@ class Reporter:
             what = f"profiled {run['steps']} steps, {run['step_ms']:.1f} ms/step under the profilers"
         else:
             what = (
-                f"{run['samples_per_s']:.0f} samples/s ({run['passes']} x {run['steps']} steps timed, "
+                f"{rate(run['samples_per_s'])} samples/s ({run['passes']} x {run['steps']} steps timed, "
                 f"first step {run['first_step_s']:.1f} s)"
             )
         self._line(f"[{m.index}/{self.total}] {m.label()}: {what} in {run['wall_s']:.0f} s; {when}")
