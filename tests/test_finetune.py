@@ -201,3 +201,20 @@ def test_the_finetune_recipe_is_lora_with_an_hf_export_and_needs_a_pretrained_mo
     with pytest.raises(ModelError, match=r"needs model\.name_or_path"):
         check(["+recipe=finetune"], 1, ["none"])
     assert compose(["+recipe=finetune", "~peft"]).peft is None  # full fine-tuning
+
+
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+def test_lora_on_convolutions_trains_in_ort_with_parity(kind, tmp_path):
+    from omegaconf import OmegaConf
+
+    from ortflow.config import LoraConfig
+    from ortflow.model.lora import apply_lora
+    from tests.test_vision_engines import assert_ort_trained, conv_bn, images, train_both
+
+    settings = OmegaConf.structured(LoraConfig(r=2, target_modules=["0", "3"]))  # the two Conv2d layers
+    _, engine, expected, got = train_both(kind, lambda: apply_lora(conv_bn(), settings), images(), tmp_path)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
+    assert_ort_trained(engine, len(got))
+    model = engine.inner.model if kind == "ortmodule" else engine.model
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trained) == 4 and all(".lora_" in n for n in trained)  # lora_A and lora_B of both convolutions
