@@ -31,6 +31,7 @@ class TransformerModelConfig:
     dim_feedforward: int = ranged(2048, Ge(1))  # nn.TransformerEncoderLayer's default
     dropout: float = ranged(0.1, PROBABILITY)  # nn.TransformerEncoderLayer's default
     causal: bool = True  # attend only to earlier positions (a language model must not see the next token)
+    freeze: list[str] = field(default_factory=list)  # globs of parameters/modules that do not train (model/freeze.py)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class MLPModelConfig:
     num_classes: int = ranged(10, Ge(1))  # outputs per sample (1 for one regression target)
     hidden: list[int] = ranged([128, 64], each=Ge(1))
     dropout: float = ranged(0.0, PROBABILITY)
+    freeze: list[str] = field(default_factory=list)  # globs of parameters/modules that do not train (model/freeze.py)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class HFModelConfig:
     max_positions: int | None = ranged(None, Ge(1))  # random init: the context length (the data's block size)
     num_labels: int | None = ranged(None, Ge(2))  # classification heads: classes
     output: str = "logits"  # the output field the forward returns
+    freeze: list[str] = field(default_factory=list)  # globs of parameters/modules that do not train (model/freeze.py)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class ResNetModelConfig:
     in_channels: int = ranged(3, Ge(1))  # 3 for RGB images (data=images and data=image_folder give RGB)
     width: int = ranged(16, Ge(1))  # channels of the first stage; each later stage doubles them
     blocks: list[int] = ranged([1, 1, 1], Len(1, 8), each=Ge(1))  # BasicBlocks per stage (CIFAR ResNet-20: [3, 3, 3])
+    freeze: list[str] = field(default_factory=list)  # globs of parameters/modules that do not train (model/freeze.py)
 
 
 @dataclass
@@ -73,6 +77,25 @@ class TorchvisionModelConfig:
     num_classes: int = ranged(10, Ge(1))
     weights: str | None = None  # null: random init, no download; a weights name (e.g. DEFAULT) downloads them
     kwargs: dict[str, Any] = field(default_factory=dict)  # the builder's other keyword arguments
+    freeze: list[str] = field(default_factory=list)  # globs of parameters/modules that do not train (model/freeze.py)
+
+
+class LoraBias(Enum):
+    none = "none"
+    all = "all"
+    lora_only = "lora_only"
+
+
+@dataclass
+class LoraConfig:
+    """+peft=lora: LoRA adapters through the peft library (ortflow/model/lora.py)."""
+
+    method: str = "lora"
+    r: int = ranged(8, Ge(1))  # the adapters' rank
+    alpha: float = ranged(16.0, Gt(0))  # the adapters' output is scaled by alpha / r
+    dropout: float = ranged(0.0, PROBABILITY)  # dropout on the adapters' input
+    target_modules: list[str] | None = None  # null: peft's defaults for the transformers architecture
+    bias: LoraBias = LoraBias.none  # which biases train too
 
 
 # ------------------------------------------------------------------------------------------------------ data
@@ -319,6 +342,10 @@ class ExportConfig:
     # The largest |ONNX Runtime - torch| difference accepted on validation batches, relative to the outputs' largest
     # magnitude (at least 1); above it the run fails and the file is removed.
     tolerance: float = ranged(1e-4, Interval(gt=0, lt=1))
+    # true: <run dir>/hf/, the trained transformers model (model=hf) by save_pretrained, with the run's tokenizer,
+    # loaded back with transformers and checked against the run's outputs (export.tolerance); LoRA merged in.
+    hf: bool = False
+    hf_adapter_only: bool = False  # with +peft=lora: hf/ holds the adapter folder peft loads onto the base model
 
 
 @dataclass
@@ -342,6 +369,7 @@ class Config:
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
     export: ExportConfig = field(default_factory=ExportConfig)
+    peft: Any = None  # +peft=lora: adapters instead of full fine-tuning (conf/peft/)
     seed: int = ranged(0, SEED)  # seeds python, numpy, torch, ORT and the data order
     objective: str = "eval/loss"  # the metric a sweep job returns (Optuna optimises it): see validate.objectives
 
@@ -364,6 +392,7 @@ _SCHEMAS: dict[str, dict[str, type]] = {
         "images": ImagesDataConfig,
         "image_folder": ImageFolderDataConfig,
     },
+    "peft": {"lora": LoraConfig},
     "loss": {"cross_entropy": CrossEntropyLossConfig, "mse": MSELossConfig, "bce_with_logits": BCEWithLogitsLossConfig},
 }
 

@@ -16,6 +16,7 @@ from ortflow import accel, distributed, ranges
 from ortflow.config import PRECISIONS
 from ortflow.errors import collect
 from ortflow.model import OUTPUT_KEY
+from ortflow.model.freeze import FREEZE_KEY
 from ortflow.run.trainer import FINAL_METRICS
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
     if dataclasses.is_dataclass(schema):
         declared = {f.name for f in dataclasses.fields(schema)}
         if path == "model.":
-            declared.add(OUTPUT_KEY)  # ortflow's own key in every model group (+model._output_=KEY), never ignored
+            declared.update((OUTPUT_KEY, FREEZE_KEY))  # ortflow's own keys in every model group, never ignored
         for key in node:
             if key not in declared:
                 found.append(f"{path}{key} is not a setting ortflow knows; remove it (known: {sorted(declared)}).")
@@ -107,6 +108,8 @@ def problems(cfg: DictConfig) -> list[str]:
             f"model.vocab_size={vocab}: byte-level text data (data.tokenizer=bytes) needs vocab_size >= 256; leave "
             "it null to follow the data."
         )
+    if cfg.export.hf_adapter_only and not cfg.export.hf:
+        found.append("export.hf_adapter_only=true shapes the export.hf folder; set export.hf=true too (or drop it).")
     return found
 
 

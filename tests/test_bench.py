@@ -27,7 +27,7 @@ from ortflow.cli.bench import (
     summarize,
 )
 from ortflow.cli.bench_worker import CALIBRATION_S, choose_steps
-from ortflow.report.bench_tables import Reporter
+from ortflow.report.bench_tables import Reporter, rate, table
 from tests.conftest import TINY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,11 +183,19 @@ def test_a_failed_mode_is_reported_not_hidden():
             "flops_per_step": 1e6,
             "batch_size": 2,
             "executed_by": "pytorch",
+            "parameters": {"total": 3_000_000, "trainable": 20_000},
         },
         {"setting": "-", "mode": "compile", "error": "no compiler"},
     ]
-    rows = {r["mode"]: r for r in summarize(runs, peak_gflops=1.0)}
+    summary = summarize(runs, peak_gflops=1.0)
+    rows = {r["mode"]: r for r in summary}
     assert rows["compile"]["error"] == "no compiler" and rows["none"]["vs_eager"] == 1.0
+    assert rows["none"]["trainable_params"] == 20_000  # LoRA against full fine-tuning: what trains
+    console = Console(width=200, record=True)
+    console.print(table(summary, "bench"))
+    text = console.export_text()
+    assert "0.02M" in text and "10 (10-10)" in text
+    assert rate(0.4771) == "0.48" and rate(123.4) == "123"
 
 
 def test_scaling_plot_takes_values_that_are_not_numbers(tmp_path):

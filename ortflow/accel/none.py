@@ -80,7 +80,8 @@ class EagerEngine:
         self.model = model
         self.loss = loss
         self.layout = layout
-        self.optimizer = build_torch_optimizer(module.parameters(), optim)
+        # Frozen parameters (model.freeze, LoRA's base weights) are not the optimizer's: no state, no weight decay.
+        self.optimizer = build_torch_optimizer([p for p in module.parameters() if p.requires_grad], optim)
         self.grad_clip = grad_clip
         self.reduce_loss = reduce_loss
         self.last_grad_norm: float | None = None  # the global gradient norm of the last step, before clipping

@@ -13,6 +13,7 @@ time has passed; their median time then decides how many steps fit in the budget
 """
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import gc
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from ortflow.cli.bench import MODES, mode_config
 from ortflow.config import register_configs
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
+from ortflow.model.freeze import ParameterCount
 from ortflow.report import profile as profiling
 from ortflow.report.logger import RunLogger
 from ortflow.run.runner import build_data, build_engine, build_model, example_batch
@@ -110,24 +112,48 @@ def choose_steps(
 
 
 def model_flops(model: torch.nn.Module, data: Data, objective: Loss) -> int:
-    """FLOPs of one training step (forward + backward), counted by torch on a copy of the model: on the meta
-    device (shapes only, no arithmetic: free at any size), or on the CPU for a model that cannot run there."""
+    """FLOPs of one training step (forward + backward), counted by torch: on a copy of the model on the meta
+    device (shapes only, no arithmetic: free at any size), or, for a model that cannot run there (a transformers
+    model calls .item()), on the model itself on the CPU, its buffers, gradients and the RNG restored afterwards (a
+    copy would add the model's size to the peak memory the bench reports)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     inputs, targets = example_batch(data.train)
     tensors = layout_of(inputs).flatten(inputs)
     for device in ("meta", "cpu"):
         try:
-            clone = copy.deepcopy(model).to(device).train()
-            with FlopCounterMode(display=False) as counter:
-                args = tuple(t.to(device) for t in tensors)
-                objective(layout_of(inputs).call(clone, args), targets.to(device)).backward()
-            return counter.get_total_flops()
+            with contextlib.ExitStack() as stack:
+                if device == "meta":
+                    counted = copy.deepcopy(model).to(device).train()
+                else:
+                    counted = stack.enter_context(_restored_after(model)).train()
+                with FlopCounterMode(display=False) as counter:
+                    args = tuple(t.to(device) for t in tensors)
+                    objective(layout_of(inputs).call(counted, args), targets.to(device)).backward()
+                return counter.get_total_flops()
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
             logging.getLogger(__name__).info("FLOPs not countable on %s (%s)", device, err)
             if device == "cpu":
                 raise
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _restored_after(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`model`, whose buffers (BatchNorm's statistics), training mode, gradients and the torch RNG (dropout) are as
+    before once the block ends."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    training = model.training
+    with torch.random.fork_rng():
+        try:
+            yield model
+        finally:
+            for param in model.parameters():
+                param.grad = None
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(buffers[name])
+            model.train(training)
 
 
 def _start(args: argparse.Namespace, passes: int, scratch: Path, max_steps: int | None = None) -> dict[str, Any]:
@@ -172,6 +198,7 @@ def _start(args: argparse.Namespace, passes: int, scratch: Path, max_steps: int 
         "batches": batches,
         "first_step_s": first_step_s,
         "flops": flops,
+        "parameters": ParameterCount.of(model).as_dict(),  # before torch.compile wraps it: the same parameters
         "batch_size": batch_size(first[0]),
         **chosen,
     }
@@ -221,6 +248,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         "calibration_step_ms": s["calibration_step_ms"],
         "first_step_s": s["first_step_s"],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "parameters": s["parameters"],
         "flops_per_step": s["flops"],
         "runner_overhead": statistics.median(lp / b for lp, b in zip(loop, bare, strict=True)) - 1.0,
         "loop_outside_engine": statistics.median(outside),

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ortflow.errors import ModelError
+from ortflow.errors import ConfigError, ModelError
 from ortflow.model import output_keys
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ def _transformers() -> Any:
     # Its records go through Python logging to the run's log file (the terminal shows ortflow's own warnings only).
     transformers.utils.logging.disable_default_handler()
     transformers.utils.logging.enable_propagation()
+    transformers.utils.logging.disable_progress_bar()  # loading and saving weights: no bars on the terminal
     return transformers
 
 
@@ -135,3 +136,18 @@ def build_hf_model(
     n_params = sum(p.numel() for p in model.parameters())
     log.info("built %s (%s, %s): %.2fM parameters", type(model).__name__, source, task, n_params / 1e6)
     return HFModel(model, output)
+
+
+def check_vocabulary(model: nn.Module, vocab: int | None, name_or_path: str | None) -> None:
+    """A pretrained model must embed every token id of the data's tokenizer.
+
+    Raises:
+        ConfigError: the model's vocabulary is smaller than the tokenizer's.
+    """
+    size = getattr(getattr(getattr(model, "model", None), "config", None), "vocab_size", None)
+    if isinstance(model, HFModel) and vocab is not None and isinstance(size, int) and size < vocab:
+        raise ConfigError(
+            f"model.name_or_path={name_or_path!r} has a vocabulary of {size} tokens, smaller than the data's tokenizer "
+            f"({vocab} tokens): its token ids would overflow the model's embeddings. Encode the data with the "
+            "tokenizer the model was trained with (data.tokenizer=<its tokenizer.json>)."
+        )

@@ -51,6 +51,7 @@ def summarize(
                 "passes": ok[0].get("passes"),
                 "first_step_s": statistics.median(r["first_step_s"] for r in ok),
                 "peak_rss_mb": max(r["peak_rss_mb"] for r in ok),
+                "trainable_params": ok[0].get("parameters", {}).get("trainable"),
                 "runner_overhead": statistics.median(r["runner_overhead"] for r in ok),
                 "loop_outside_engine": statistics.median(r["loop_outside_engine"] for r in ok),
                 "mfu": ok[0]["flops_per_step"] * median / ok[0]["batch_size"] / (peak * 1e9),
@@ -85,6 +86,7 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
     columns = (
         "setting",
         "mode",
+        "trainable",
         "samples/s (min-max)",
         "x eager",
         "x eager same prec.",
@@ -99,12 +101,14 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
         t.add_column(col, justify="left" if col in ("setting", "mode") else "right")
     for r in rows:
         if "error" in r:
-            t.add_row(r["setting"], r["mode"], f"failed: {short(r['error'])}", *[""] * (len(columns) - 3))
+            t.add_row(r["setting"], r["mode"], "", f"failed: {short(r['error'])}", *[""] * (len(columns) - 4))
             continue
+        trainable = r.get("trainable_params")
         t.add_row(
             r["setting"],
             r["mode"],
-            f"{r['samples_per_s']:.0f} ({r['samples_per_s_min']:.0f}-{r['samples_per_s_max']:.0f})",
+            f"{trainable / 1e6:.2f}M" if trainable is not None else "-",
+            f"{rate(r['samples_per_s'])} ({rate(r['samples_per_s_min'])}-{rate(r['samples_per_s_max'])})",
             f"{r['vs_eager']:.2f}" if "vs_eager" in r else "-",
             f"{r['vs_eager_same_precision']:.2f}" if "vs_eager_same_precision" in r else "-",
             f"{r['passes']} x {r['steps']:.0f}" if r.get("passes") else "-",
@@ -115,6 +119,11 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
             f"{100 * r['loop_outside_engine']:.2f}%",
         )
     return t
+
+
+def rate(samples_per_s: float) -> str:
+    """Samples/s to the unit from 10 up, two significant digits below (a large model's 0.48, not 0)."""
+    return f"{samples_per_s:.0f}" if samples_per_s >= 10 else f"{samples_per_s:.2g}"
 
 
 def short(error: str, limit: int = 160) -> str:
@@ -187,7 +196,7 @@ class Reporter:
             what = f"profiled {run['steps']} steps, {run['step_ms']:.1f} ms/step under the profilers"
         else:
             what = (
-                f"{run['samples_per_s']:.0f} samples/s ({run['passes']} x {run['steps']} steps timed, "
+                f"{rate(run['samples_per_s'])} samples/s ({run['passes']} x {run['steps']} steps timed, "
                 f"first step {run['first_step_s']:.1f} s)"
             )
         self._line(f"[{m.index}/{self.total}] {m.label()}: {what} in {run['wall_s']:.0f} s; {when}")

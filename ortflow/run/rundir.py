@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from ortflow.accel.engine import Engine
@@ -106,14 +107,40 @@ def load_weights(model: nn.Module, payload: dict[str, Any], path: Path, max_step
             f"checkpoint '{path}' is at step {payload['step']}, beyond trainer.max_steps={max_steps}; set "
             f"trainer.max_steps to at least {payload['step']}."
         )
+    frozen = set(frozen_parameters(model)) if payload.get("frozen_base") else set()
     try:
-        model.load_state_dict(payload["model"], strict=True)
+        result = model.load_state_dict(payload["model"], strict=not frozen)
+        if frozen and (result.unexpected_keys or set(result.missing_keys) != frozen):
+            missing = sorted(set(result.missing_keys) - frozen)[:3]
+            raise RuntimeError(f"\n unexpected keys {result.unexpected_keys[:3]}, missing keys {missing}")
     except (RuntimeError, TypeError, AttributeError) as err:
         details = "; ".join(line.strip() for line in str(err).splitlines()[1:4] if line.strip()) or str(err)
         raise CheckpointError(
             f"checkpoint '{path}' does not fit this model ({details}). Use the model settings it was written with "
             "(they are in that run's .hydra/config.yaml)."
         ) from None
+
+
+def frozen_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that do not train (model.freeze, LoRA's base weights), by state_dict name."""
+    return {name: p for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def frozen_base(model: nn.Module) -> str | None:
+    """The fingerprint of the model's frozen parameters (sha256 of their content); None when all of them train."""
+    frozen = frozen_parameters(model)
+    return checkpoint.digest(frozen) if frozen else None
+
+
+def check_same_base(saved: str | None, current: str | None, path: Path) -> None:
+    """A checkpoint of a run with frozen parameters holds only the trained ones: continuing it on another frozen base
+    (another pretrained model, other model.freeze patterns) would pair its weights with foreign ones."""
+    if saved != current:
+        raise CheckpointError(
+            f"checkpoint '{path}' was trained on a frozen base with fingerprint {str(saved)[:16]}, and this run's "
+            f"frozen parameters have {str(current)[:16]} (another pretrained model, model.freeze or peft setting). "
+            "Resume with the base model and settings it was trained with, or start a new run."
+        )
 
 
 def check_same_data(saved: dict[str, Any] | None, current: dict[str, Any], path: Path, allow_change: bool) -> None:
@@ -180,6 +207,8 @@ class RunDir:
         self.source: tuple[Path, dict[str, Any]] | None = None
         self.keep: int | None = None
         self._engine: Engine | None = None
+        self.frozen_base: str | None = None
+        self.frozen: set[str] = set()
         self._batches: ResumableBatches | None = None
 
     @property
@@ -223,10 +252,13 @@ class RunDir:
             CheckpointError: the checkpoint does not fit the model, or was written on other data.
         """
         self.data_identity = dict(data_identity or {})
+        self.frozen_base = frozen_base(model)  # of the model as built: the base a checkpoint's weights go with
+        self.frozen = set(frozen_parameters(model))
         self.record["data_identity"] = self.data_identity
         if self.source is not None:
             path, payload = self.source
             check_same_data(payload.get("data_identity"), self.data_identity, path, allow_data_change)
+            check_same_base(payload.get("frozen_base"), self.frozen_base, path)
             load_weights(model, payload, path, max_steps)
         engine = make_engine(model)
         self._engine, self._batches = engine, batches
@@ -278,7 +310,9 @@ class RunDir:
                 "version": checkpoint.VERSION,
                 "step": state.step,
                 "accel": self._engine.name,
-                "model": self._engine.model_state_dict(),
+                # Frozen parameters are left out (a LoRA checkpoint holds its adapters); their fingerprint stays.
+                "model": {k: v for k, v in self._engine.model_state_dict().items() if k not in self.frozen},
+                "frozen_base": self.frozen_base,
                 "optimizer": self._engine.optimizer_state(),
                 "rng": checkpoint.rng_state(),
                 "data": self._batches.state_dict(),

@@ -28,9 +28,11 @@ from ortflow.files import as_write_failure, write_bytes_atomic
 from ortflow.model import OUTPUT_KEY, select_output, sequence_first
 from ortflow.model.batch_dependence import BatchDependence
 from ortflow.model.contract import check_builder_result, check_model
+from ortflow.model.freeze import FREEZE_KEY, ParameterCount, freeze
+from ortflow.model.hf import check_vocabulary
 from ortflow.report import terminal
 from ortflow.report.logger import RunLogger
-from ortflow.run import checkpoint, export, pruning
+from ortflow.run import checkpoint, export, export_hf, pruning
 from ortflow.run.rundir import RunDir
 from ortflow.run.seeding import seed_everything
 from ortflow.run.signals import Interrupted, Preempted, interrupt_on_signals, uninterrupted
@@ -125,10 +127,18 @@ def build_model(cfg: DictConfig, data: Data) -> nn.Module:
 def build_checked_model(cfg: DictConfig, data: Data) -> tuple[nn.Module, BatchDependence]:
     """build_model's model, and how it depends on the other samples of a batch (batch statistics)."""
     target = cfg.model.get("_target_", "?")
-    output = cfg.model.get(OUTPUT_KEY)  # ortflow's key, not the builder's: taken out before instantiating
-    node = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != OUTPUT_KEY])
+    output = cfg.model.get(OUTPUT_KEY)  # ortflow's keys, not the builder's: taken out before instantiating
+    frozen = list(cfg.model.get(FREEZE_KEY) or [])
+    node = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k not in (OUTPUT_KEY, FREEZE_KEY)])
     _vocabulary(node, data)
     model = check_builder_result(_build("model", node), target)
+    if node.get("name_or_path"):
+        check_vocabulary(model, data.info.get("vocab_size"), node.name_or_path)
+    model = freeze(model, frozen)
+    if cfg.get("peft") is not None:
+        from ortflow.model.lora import apply_lora
+
+        model = apply_lora(model, cfg.peft)
     if output is not None:
         model = select_output(model, str(output))
     if not data.batch_first:
@@ -191,18 +201,24 @@ def hparams_from(overrides: list[str], cfg: DictConfig, engine: str) -> dict[str
     return params
 
 
+def _size(params: int) -> str:
+    return f"{params / 1e6:.2f}M" if params >= 1e5 else f"{params / 1e3:.1f}K"
+
+
 def header(cfg: DictConfig, overrides: list[str], model: nn.Module, engine: Engine, run_dir: Path, start: int) -> str:
     """The run's one header line: recipe, model and size, accel mode and what executes it, steps, run dir."""
     recipe = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("recipe=")), None)
-    params = sum(p.numel() for p in model.parameters())
-    size = f"{params / 1e6:.2f}M" if params >= 1e5 else f"{params / 1e3:.1f}K"
+    count = ParameterCount.of(model)
+    size = _size(count.total) + " parameters"
+    if count.trainable != count.total:
+        size += f", {_size(count.trainable)} trainable"
     target = str(cfg.model.get("_target_", type(model).__name__)).rsplit(".", 1)[-1]
     choice = getattr(engine, "choice", None)  # accel=auto's
     title = choice["title"] if choice else getattr(accel.engine_module(cfg.accel), "TITLE", engine.name)
     mode = f"accel=auto -> {engine.name}" if choice and choice["by"] == "accel=auto" else f"accel={engine.name}"
     steps = f"steps {start + 1}-{cfg.trainer.max_steps}" if start else f"{cfg.trainer.max_steps} steps"
     precision = engine_precision(cfg, engine)
-    parts = [f"recipe {recipe}" if recipe else None, f"{target} ({size} parameters)", f"{mode}: {title}"]
+    parts = [f"recipe {recipe}" if recipe else None, f"{target} ({size})", f"{mode}: {title}"]
     parts.append(precision if cfg.trainer.precision != AUTO else f"{precision} (trainer.precision=auto)")
     return "ortflow  " + " | ".join(p for p in parts if p) + f" | {steps} | run dir {run_dir}"
 
@@ -318,9 +334,11 @@ def _train(
     seed_everything(cfg.seed)
     data = build_data(cfg)
     model, dependence = build_checked_model(cfg, data)  # the same initial weights on every rank
+    if cfg.export.hf:
+        export_hf.check(model, cfg.export.hf_adapter_only)
     if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
         data.train = distributed.shard(data.train, world, cfg.seed)
-    results: dict[str, Any] = {"data": data.info}
+    results: dict[str, Any] = {"data": data.info, "parameters": ParameterCount.of(model).as_dict()}
     if world.is_main:
         for name, content in data.run_files.items():  # the run's tokenizer and data manifest (ortflow-predict)
             write_bytes_atomic(run.path / name, content)
@@ -394,4 +412,8 @@ def _train(
     results["engine"] = execution
     if cfg.export.onnx and world.is_main:
         results["export"] = export.inference_onnx(model, final, data, run.path, cfg.export.opset, cfg.export.tolerance)
+    if cfg.export.hf and world.is_main:
+        inputs = split_batch(next(iter(data.val)))[0]
+        adapter_only, tolerance = cfg.export.hf_adapter_only, cfg.export.tolerance
+        results["export_hf"] = export_hf.save(model, data.run_files, inputs, run.path, adapter_only, tolerance)
     return metrics, results, model, data
