@@ -32,7 +32,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -e ".[dev]" "torch==$(TORCH)" "torchvision==$(TORCHVISION)"
 	touch $@
 
-# ORTModule's C++ extensions: built once per environment (4-10 min on 2 cores), skipped when present.
+# ORTModule's C++ extensions: built once per machine (about a minute on 2 cores; kept in ~/.cache/ortflow/extensions),
+# copied into each venv, skipped when present.
 setup: $(STAMP)
 	$(BIN)/python -m ortflow.accel.extensions
 
