@@ -26,7 +26,7 @@ PINS = "torch==$(TORCH)" "torchvision==$(TORCHVISION)"
 # The ninja wheel (used by the one-time extension build) installs into the venv.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup setup-test train test test-fast test-range lint
+.PHONY: setup setup-test setup-range train test test-fast test-range lint
 
 # What training needs: the pinned stack and ortflow (editable) with torchvision. Redone when pyproject.toml changes.
 $(TRAIN_STAMP): pyproject.toml
@@ -64,7 +64,9 @@ test-fast: setup-test lint
 	$(BIN)/python -m pytest -n auto -m "not slow" $(DURATIONS) $(PYTEST_ARGS)
 
 # The other end of the torch range: its own venv (set up like .venv, extensions included), the engine tests.
-test-range: lint
+setup-range:
 	$(MAKE) VENV=.venv-torch$(RANGE_TORCH) TORCH=$(RANGE_TORCH) setup-test
+
+test-range: lint setup-range
 	PATH=$(abspath .venv-torch$(RANGE_TORCH))/bin:$$PATH .venv-torch$(RANGE_TORCH)/bin/python -m pytest -n auto \
 		$(DURATIONS) $(RANGE_TESTS) $(PYTEST_ARGS)
