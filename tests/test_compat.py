@@ -161,3 +161,37 @@ def test_extensions_in_the_machine_cache_are_copied_not_compiled(tmp_path, monke
     # Another torch (or patch set, compiler, ORT, Python) is another key: nothing cached for it.
     monkeypatch.setattr(torch, "__version__", "2.13.0")
     assert extensions.build_key(patched) != cached.name
+
+
+def _export_like_warnings() -> None:
+    import warnings
+
+    warnings.warn("Converting a tensor to a Python boolean", torch.jit.TracerWarning, stacklevel=1)
+    warnings.warn("You are using the legacy TorchScript-based ONNX export", DeprecationWarning, stacklevel=1)
+    warnings.warn(
+        "ONNX Preprocess - Removing mutation from node aten::add_ on block input: 'model.bn.num_batches_tracked'.",
+        UserWarning,
+        stacklevel=1,
+    )
+    warnings.warn("ONNX Preprocess - Removing mutation from node aten::add_ on block input: 'x'.", stacklevel=1)
+    warnings.warn("something else", UserWarning, stacklevel=1)
+
+
+def test_only_the_exporters_expected_warnings_are_silenced_and_said_once(caplog, monkeypatch):
+    import logging
+    import warnings
+
+    from ortflow.accel import export_warnings
+
+    monkeypatch.setattr(export_warnings, "_said", False)
+    with caplog.at_level(logging.INFO, logger="ortflow.accel.export_warnings"):
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                with export_warnings.expected():
+                    _export_like_warnings()
+            assert [str(w.message) for w in seen] == [
+                "ONNX Preprocess - Removing mutation from node aten::add_ on block input: 'x'.",
+                "something else",
+            ]
+    assert sum("expected warnings are silenced" in r.getMessage() for r in caplog.records) == 1

@@ -21,7 +21,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from ortflow.accel import compat_torch
+from ortflow.accel import compat_torch, export_warnings
 from ortflow.accel.rewrites import Rewrites, prepare_training_graph
 
 log = logging.getLogger(__name__)
@@ -252,6 +252,9 @@ def patch_ortmodule() -> None:
     if _patched:
         return
     prepare()
+    with export_warnings.expected():
+        # ORTModule imports its hooks on its first forward; their ZeRO-offload helper warns without DeepSpeed.
+        import onnxruntime.training.utils.hooks  # noqa: F401
     from ortflow.accel import aten_conv, aten_layer_norm, aten_nodes, symbolics
 
     aten_conv.register_gradient()  # before any ORTModule is built: it publishes ORT's gradient registry then
@@ -280,7 +283,11 @@ def patch_ortmodule() -> None:
         scope = _ACTIVE.get()
         settings = scope.settings if scope is not None else SessionSettings()
         opset = kwargs["onnx_opset_version"]
-        with compat_torch.exporting(), symbolics.ort_export(opset, settings.aten_conv, settings.aten_layer_norm):
+        with (
+            export_warnings.expected(),
+            compat_torch.exporting(),
+            symbolics.ort_export(opset, settings.aten_conv, settings.aten_layer_norm),
+        ):
             exported_model, output_schema = get_exported(*args, **kwargs)
         rewrites = scope.settings.rewrites if scope else Rewrites()
         fixes, masks = prepare_training_graph(exported_model, rewrites)
@@ -425,7 +432,8 @@ def ortmodule_construction(*, fallback_allowed: bool, opset: int | None) -> Iter
     if opset is not None:
         os.environ["ORTMODULE_ONNX_OPSET_VERSION"] = str(opset)
     try:
-        yield
+        with export_warnings.expected():
+            yield
     finally:
         ortmodule.ORTMODULE_FALLBACK_POLICY = saved_policy
         for key, value in saved_env.items():
@@ -474,13 +482,3 @@ def ort_optimizer(path: Path, module, options=None):
     if options is not None:
         module._session_options = options
     return api.Optimizer(str(path), module)
-
-
-@contextlib.contextmanager
-def quiet_export() -> Iterator[None]:
-    """Silence torch.onnx's warnings about training-mode export, which ortflow asks for on purpose."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", module=r"torch\.onnx")
-        yield

@@ -9,7 +9,6 @@ is really dynamic) and records the largest absolute difference from torch in run
 """
 
 import logging
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ortflow.accel import export_warnings
 from ortflow.data import Data
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.step.batch import Layout, layout_of, split_batch
@@ -56,8 +56,7 @@ def inference_onnx(
     path = run_dir / FILE
     wrapped = InferenceModel(model, layout).eval()  # torch.onnx.export restores the mode it found: keep eval
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
+        with export_warnings.expected():
             torch.onnx.export(
                 wrapped,
                 tensors,
