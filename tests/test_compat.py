@@ -195,3 +195,12 @@ def test_only_the_exporters_expected_warnings_are_silenced_and_said_once(caplog,
                 "something else",
             ]
     assert sum("expected warnings are silenced" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_failed_extension_build_names_its_log_and_quotes_its_end(tmp_path):
+    cpu = tmp_path / "cpu"
+    (cpu / "broken").mkdir(parents=True)
+    (cpu / "broken" / "setup.py").write_text("print('error: no compiler here')\nraise SystemExit(3)\n")
+    log = tmp_path / "build.log"
+    with pytest.raises(OrtflowError, match=r"(?s)extension\(s\) broken failed.*build\.log.*no compiler here"):
+        extensions._compile(cpu, tmp_path, log)
