@@ -432,8 +432,7 @@ def ortmodule_construction(*, fallback_allowed: bool, opset: int | None) -> Iter
     if opset is not None:
         os.environ["ORTMODULE_ONNX_OPSET_VERSION"] = str(opset)
     try:
-        with export_warnings.expected():
-            yield
+        yield
     finally:
         ortmodule.ORTMODULE_FALLBACK_POLICY = saved_policy
         for key, value in saved_env.items():
