@@ -1,8 +1,8 @@
-# The two README commands. Each sets up .venv first when needed (idempotent), then does its job:
-#   make train                       # ortflow +recipe=transformer accel=ortmodule
+# The two README commands. Each installs what it needs into .venv first (idempotent: stamps), then does its job:
+#   make train                       # ortflow +recipe=transformer accel=ortmodule (installs ortflow[vision] only)
 #   make train ARGS="+recipe=digits accel=artifacts"
-#   make test                        # lint + the whole test suite
-#   make test-fast                   # lint + the fast tier (-m 'not slow', ~2 minutes)
+#   make test                        # adds ortflow[test] (test tools, notebooks, optional libraries); lint + the suite
+#   make test-fast                   # lint + the fast tier (-m 'not slow')
 #   make test-range                  # the ORT engine tests on the other end of the torch range, in its own venv
 PYTHON ?= python3
 # torch: the default end of the supported range in .venv; the other end in .venv-torch<version> (make test-range).
@@ -16,42 +16,57 @@ RANGE_TESTS ?= tests/test_compat.py tests/test_engines.py tests/test_zoo.py test
 	tests/test_distributed.py tests/test_graph_fixes.py tests/test_features.py tests/test_vision_engines.py tests/test_aten_layer_norm.py \
 	tests/test_hf.py tests/test_lm_runs.py tests/test_batch_dependence.py tests/test_reliability.py
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.ortflow-installed
+TRAIN_STAMP := $(VENV)/.ortflow-train
+TEST_STAMP := $(VENV)/.ortflow-test
 ARGS ?= +recipe=transformer accel=ortmodule
 PYTEST_ARGS ?=
+# The slowest tests are listed at the end of every run, so the next slow test is seen.
+DURATIONS ?= --durations=25
+PINS = "torch==$(TORCH)" "torchvision==$(TORCHVISION)"
 # The ninja wheel (used by the one-time extension build) installs into the venv.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup train test test-fast test-range lint
+.PHONY: setup setup-test setup-range train test test-fast test-range lint
 
-# Install the pinned stack and ortflow (editable). Redone only when pyproject.toml changes.
-$(STAMP): pyproject.toml
+# What training needs: the pinned stack and ortflow (editable) with torchvision. Redone when pyproject.toml changes.
+$(TRAIN_STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if (3, 11) <= sys.version_info[:2] <= (3, 12) else "ortflow needs Python 3.11 or 3.12: onnxruntime-training 1.19.2 has no wheels for others (set PYTHON=python3.12, ...)")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install -e ".[dev]" "torch==$(TORCH)" "torchvision==$(TORCHVISION)"
+	$(BIN)/python -m pip install --quiet -e ".[vision]" $(PINS)
 	touch $@
 
-# ORTModule's C++ extensions: built once per environment (4-10 min on 2 cores), skipped when present.
-setup: $(STAMP)
+# The tests add their tools, the notebook runner and the optional libraries (transformers, datasets, ...).
+$(TEST_STAMP): $(TRAIN_STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[test]" $(PINS)
+	touch $@
+
+# ORTModule's C++ extensions: built once per machine (about a minute on 2 cores; kept in ~/.cache/ortflow/extensions),
+# copied into each venv, skipped when present.
+setup: $(TRAIN_STAMP)
 	$(BIN)/python -m ortflow.accel.extensions
+
+setup-test: setup $(TEST_STAMP)
 
 train: setup
 	$(BIN)/ortflow $(ARGS)
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check ortflow tests hydra_plugins
 	$(BIN)/ruff format --check ortflow tests hydra_plugins
 
 # Tests run on every core (pytest-xdist): they are independent (own tmp dirs, free ports, in-process Hydra state
 # per worker). PYTEST_ARGS="-n 0" runs them in one process.
-test: setup lint
-	$(BIN)/python -m pytest -n auto $(PYTEST_ARGS)
+test: setup-test lint
+	$(BIN)/python -m pytest -n auto $(DURATIONS) $(PYTEST_ARGS)
 
-test-fast: setup lint
-	$(BIN)/python -m pytest -n auto -m "not slow" $(PYTEST_ARGS)
+test-fast: setup-test lint
+	$(BIN)/python -m pytest -n auto -m "not slow" $(DURATIONS) $(PYTEST_ARGS)
 
 # The other end of the torch range: its own venv (set up like .venv, extensions included), the engine tests.
-test-range: lint
-	$(MAKE) VENV=.venv-torch$(RANGE_TORCH) TORCH=$(RANGE_TORCH) setup
-	PATH=$(abspath .venv-torch$(RANGE_TORCH))/bin:$$PATH .venv-torch$(RANGE_TORCH)/bin/python -m pytest -n auto $(RANGE_TESTS) $(PYTEST_ARGS)
+setup-range:
+	$(MAKE) VENV=.venv-torch$(RANGE_TORCH) TORCH=$(RANGE_TORCH) setup-test
+
+test-range: lint setup-range
+	PATH=$(abspath .venv-torch$(RANGE_TORCH))/bin:$$PATH .venv-torch$(RANGE_TORCH)/bin/python -m pytest -n auto \
+		$(DURATIONS) $(RANGE_TESTS) $(PYTEST_ARGS)

@@ -26,7 +26,9 @@ class TransformerModel(nn.Module):
         super().__init__()
         self.pos_encoder = PositionalEncoding(ninp, dropout)
         self.transformer_encoder = nn.TransformerEncoder(
-            nn.TransformerEncoderLayer(ninp, nhead, nhid, dropout), nlayers
+            nn.TransformerEncoderLayer(ninp, nhead, nhid, dropout),
+            nlayers,
+            enable_nested_tensor=False,  # an inference fast path, off for sequence-first layers anyway (and warned)
         )
         self.encoder = nn.Embedding(ntoken, ninp)
         self.ninp = ninp

@@ -4,6 +4,7 @@ patch or export), unless the documented override is set."""
 import inspect
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,5 +120,87 @@ def test_the_installed_extensions_were_built_for_this_torch_with_its_patches():
     if record is None:  # built by ORT's own installer (torch 2.6, before ortflow kept a record)
         assert not compat_cpp.needed()
     else:
-        assert record == {"torch": torch.__version__, "patches": [patch.name for patch in compat_cpp.needed()]}
+        assert record["torch"] == torch.__version__
+        assert record["patches"] == [patch.name for patch in compat_cpp.needed()]
     assert extensions.is_built()
+
+
+def test_the_unity_build_compiles_every_source_once_without_debug_info(tmp_path):
+    from ortflow.accel import extension_setup
+
+    sources = [tmp_path / "a.cc", tmp_path / "b.cc"]
+    for source in sources:
+        source.write_text("int x;\n")
+    made = []
+    unity = extension_setup._unity_extension(lambda name, sources, **kwargs: made.append((name, sources, kwargs)))
+    unity("ext", [str(source) for source in sources], extra_compile_args={"cxx": ["-O3", "-std=c++20"]})
+    unity("one", [str(sources[0])])
+    (name, [unit], kwargs), (_, single, plain) = made
+    assert name == "ext" and kwargs["extra_compile_args"] == {"cxx": ["-O3", "-std=c++20", "-g0"]}
+    assert [line.split('"')[1] for line in Path(unit).read_text().splitlines()] == [str(source) for source in sources]
+    assert single == [str(sources[0])] and plain["extra_compile_args"] == ["-g0"]
+
+
+def test_extensions_in_the_machine_cache_are_copied_not_compiled(tmp_path, monkeypatch):
+    folder = tmp_path / "venv_extensions"
+    shutil.copytree(extensions.extensions_dir() / "cpu", folder / "cpu", ignore=shutil.ignore_patterns("__pycache__"))
+    (folder / "stale.so").write_bytes(b"old")
+    monkeypatch.setattr(extensions, "extensions_dir", lambda: folder)
+    monkeypatch.setenv("ORTFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(extensions, "_compile", lambda *args: pytest.fail("compiled although cached"))
+    patched = tmp_path / "patched"
+    shutil.copytree(folder / "cpu", patched)
+    patches = compat_cpp.apply(patched)
+    cached = extensions.cache_root() / extensions.build_key(patched)
+    cached.mkdir(parents=True)
+    (cached / "torch_interop_utils.so").write_bytes(b"built")
+    (cached / extensions.RECORD).write_text(json.dumps({"torch": torch.__version__, "patches": patches, "key": "k"}))
+    assert extensions.ensure_built() is True
+    assert (folder / "torch_interop_utils.so").read_bytes() == b"built" and not (folder / "stale.so").exists()
+    assert extensions.is_built(folder) and extensions.ensure_built() is False
+    # Another torch (or patch set, compiler, ORT, Python) is another key: nothing cached for it.
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    assert extensions.build_key(patched) != cached.name
+
+
+def _export_like_warnings() -> None:
+    import warnings
+
+    warnings.warn("Converting a tensor to a Python boolean", torch.jit.TracerWarning, stacklevel=1)
+    warnings.warn("You are using the legacy TorchScript-based ONNX export", DeprecationWarning, stacklevel=1)
+    warnings.warn(
+        "ONNX Preprocess - Removing mutation from node aten::add_ on block input: 'model.bn.num_batches_tracked'.",
+        UserWarning,
+        stacklevel=1,
+    )
+    warnings.warn("ONNX Preprocess - Removing mutation from node aten::add_ on block input: 'x'.", stacklevel=1)
+    warnings.warn("something else", UserWarning, stacklevel=1)
+
+
+def test_only_the_exporters_expected_warnings_are_silenced_and_said_once(caplog, monkeypatch):
+    import logging
+    import warnings
+
+    from ortflow.accel import export_warnings
+
+    monkeypatch.setattr(export_warnings, "_said", False)
+    with caplog.at_level(logging.INFO, logger="ortflow.accel.export_warnings"):
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                with export_warnings.expected():
+                    _export_like_warnings()
+            assert [str(w.message) for w in seen] == [
+                "ONNX Preprocess - Removing mutation from node aten::add_ on block input: 'x'.",
+                "something else",
+            ]
+    assert sum("expected warnings are silenced" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_failed_extension_build_names_its_log_and_quotes_its_end(tmp_path):
+    cpu = tmp_path / "cpu"
+    (cpu / "broken").mkdir(parents=True)
+    (cpu / "broken" / "setup.py").write_text("print('error: no compiler here')\nraise SystemExit(3)\n")
+    log = tmp_path / "build.log"
+    with pytest.raises(OrtflowError, match=r"(?s)extension\(s\) broken failed.*build\.log.*no compiler here"):
+        extensions._compile(cpu, tmp_path, log)

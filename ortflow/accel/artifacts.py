@@ -21,7 +21,7 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import aten_nodes, batchnorm, compat, failures, symbolics
+from ortflow.accel import aten_nodes, batchnorm, compat, export_warnings, failures, symbolics
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.none import debug_problems
 from ortflow.accel.rewrites import MaskSampler, Rewrites, prepare_training_graph
@@ -238,7 +238,7 @@ class ArtifactsEngine:
             exported, args = scaled, (*example_inputs, example_targets)
             names, outputs = [*names, "targets"], ["loss", "output"]
         with (
-            compat.quiet_export(),
+            export_warnings.expected(),
             _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export", model),
             training_forward_probe(model),  # the export traces one training forward: its BatchNorm update is undone
             symbolics.ort_export(

@@ -21,7 +21,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from ortflow.accel import compat_torch
+from ortflow.accel import compat_torch, export_warnings
 from ortflow.accel.rewrites import Rewrites, prepare_training_graph
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,9 @@ def patch_ortmodule() -> None:
     if _patched:
         return
     prepare()
+    with export_warnings.expected():
+        # ORTModule imports its hooks on its first forward; their ZeRO-offload helper warns without DeepSpeed.
+        import onnxruntime.training.utils.hooks  # noqa: F401
     from ortflow.accel import aten_nodes, symbolics
 
     aten_nodes.register_gradients()  # before any ORTModule is built: it publishes ORT's gradient registry then
@@ -296,6 +299,7 @@ def patch_ortmodule() -> None:
         settings = scope.settings if scope is not None else SessionSettings()
         opset = kwargs["onnx_opset_version"]
         with (
+            export_warnings.expected(),
             compat_torch.exporting(),
             symbolics.ort_export(opset, settings.aten_conv, settings.aten_layer_norm, settings.bf16),
         ):
@@ -488,13 +492,3 @@ def ort_optimizer(path: Path, module, options=None):
     if options is not None:
         module._session_options = options
     return api.Optimizer(str(path), module)
-
-
-@contextlib.contextmanager
-def quiet_export() -> Iterator[None]:
-    """Silence torch.onnx's warnings about training-mode export, which ortflow asks for on purpose."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", module=r"torch\.onnx")
-        yield

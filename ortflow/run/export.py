@@ -9,7 +9,6 @@ is really dynamic) and records the largest absolute difference from torch in run
 """
 
 import logging
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ortflow.accel import symbolics
+from ortflow.accel import export_warnings, symbolics
 from ortflow.data import Data
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.step.batch import Layout, layout_of, split_batch
@@ -57,8 +56,7 @@ def inference_onnx(
     path = run_dir / FILE
     wrapped = InferenceModel(model, layout).eval()  # torch.onnx.export restores the mode it found: keep eval
     try:
-        with warnings.catch_warnings(), symbolics.torch_only_export(opset):
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
+        with export_warnings.expected(), symbolics.torch_only_export(opset):
             torch.onnx.export(
                 wrapped,
                 tensors,
