@@ -50,9 +50,7 @@ def test_gradient_difference_is_relative_to_eagers_norm():
 
 def test_check_gives_each_engine_a_verdict_against_eagers_noise(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
-    report = check(
-        ["model=custom", "model._target_=tests.zoo.cnn_batchnorm", *DIGITS], 3, ["none", "ortmodule", "artifacts"]
-    )
+    report = check(["model=custom", "model._target_=tests.zoo.mlp", *DIGITS], 3, ["none", "ortmodule", "artifacts"])
     assert report["noise_floor"] is not None and len(report["noise_floors"]) == len(parity.NOISE_SEEDS)
     assert report["noise_floor"] > 0  # one ulp moves eager's own loss
     rows = {r["mode"]: r for r in report["rows"]}

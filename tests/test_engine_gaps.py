@@ -138,3 +138,20 @@ def test_convolutions_onednn_is_picky_about_train_at_parity(kind, layout, tmp_pa
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
     assert_ort_trained(engine, len(batches))
     assert engine.describe()["graph_fixes"]["convolutions_run_by_torch"] == 7
+
+
+def test_timms_batchnorm_with_activation_is_trained_as_torchs_batchnorm():
+    """timm's BatchNormAct2d copies torch's BatchNorm forward (the same running-statistics update) and adds its
+    activation: accepted, where a BatchNorm subclass with a forward of its own is refused."""
+    norm_act = pytest.importorskip("timm.layers.norm_act")
+    from ortflow.accel import batchnorm
+    from ortflow.errors import ModelError
+
+    batchnorm.refuse_unsupported(nn.Sequential(norm_act.BatchNormAct2d(4)), "artifacts")
+
+    class Custom(norm_act.BatchNormAct2d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    with pytest.raises(ModelError, match="forward of its own"):
+        batchnorm.refuse_unsupported(nn.Sequential(Custom(4)), "artifacts")
