@@ -52,8 +52,23 @@ def test_check_gives_each_engine_a_verdict_against_eagers_noise(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     report = check(["model=custom", "model._target_=tests.zoo.mlp", *DIGITS], 3, ["none", "ortmodule", "artifacts"])
     assert report["noise_floor"] is not None and len(report["noise_floors"]) == len(parity.NOISE_SEEDS)
-    assert report["noise_floor"] > 0  # one ulp moves eager's own loss
+    assert report["noise_floor"] >= 0 and report["gradient_floor"] > 0  # one ulp moves eager's own gradients
     rows = {r["mode"]: r for r in report["rows"]}
     for mode in ("ortmodule", "artifacts"):
         assert rows[mode]["grad_rel_diff"] < parity.GRADIENT_TOLERANCE, rows[mode]
         assert rows[mode]["verdict"].startswith("within eager's own noise"), rows[mode]
+
+
+def test_differing_gradients_show_eagers_own_gradient_noise():
+    row = {"grad_rel_diff": 8e-3, "max_rel_loss_diff": 1e-3}
+    assert parity.verdict(row, 5e-2, 5.7e-4) == (
+        "differs: step-1 gradients 8.0e-03 from eager's (over 1e-04; eager's own with one-ulp weights: 5.7e-04)"
+    )
+
+
+def test_stochastic_depth_is_switched_off_with_dropout():
+    ops = pytest.importorskip("torchvision.ops")
+    from ortflow.cli.check import without_dropout
+
+    model = without_dropout(nn.Sequential(ops.StochasticDepth(0.2, "row"), nn.Dropout(0.1)))
+    assert model[0].p == 0.0 and model[1].p == 0.0

@@ -50,7 +50,7 @@ DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropou
 def without_dropout(model: nn.Module) -> nn.Module:
     """The same model with every dropout probability at 0: the runtimes would otherwise draw different masks."""
     for module in model.modules():
-        if isinstance(module, DROPOUTS):
+        if isinstance(module, DROPOUTS) or type(module).__name__ == "StochasticDepth":  # torchvision.ops's too
             module.p = 0.0
         if isinstance(module, nn.MultiheadAttention):
             module.dropout = 0.0
@@ -136,15 +136,18 @@ def check(overrides: list[str], steps: int, modes: list[str]) -> dict[str, Any]:
             row["grad_rel_diff"] = parity.gradient_difference(got, eager_grads)
         if mode in modes:
             rows.append(row)
-    floors = []
+    floors, gradient_floors = [], []
     if reference is not None:  # eager against itself, every weight one ulp away: the noise any engine is held to
         for seed in parity.NOISE_SEEDS:
-            noisy = try_mode("none", overrides, steps, parity.perturbed(copy.deepcopy(model), seed), reference, False)
+            noisy = try_mode("none", overrides, steps, parity.perturbed(copy.deepcopy(model), seed), reference)
             floors.append(noisy.get("max_rel_loss_diff", math.nan))
+            if (got := noisy.pop("_grads", None)) is not None and eager_grads:
+                gradient_floors.append(parity.gradient_difference(got, eager_grads))
     floor = max(floors) if floors and all(map(math.isfinite, floors)) else None
+    gradient_floor = max((g for g in gradient_floors if g is not None), default=None)
     for row in rows:
         if row["mode"] != "none" and row.get("trains"):
-            row["verdict"] = parity.verdict(row, floor)
+            row["verdict"] = parity.verdict(row, floor, gradient_floor)
     target = cfg.model.get("_target_", "?")
     return {
         "overrides": overrides,
@@ -153,6 +156,7 @@ def check(overrides: list[str], steps: int, modes: list[str]) -> dict[str, Any]:
         "rows": rows,
         "noise_floor": floor,
         "noise_floors": floors,
+        "gradient_floor": gradient_floor,
         "chaotic": floor is not None and floor > parity.CHAOTIC_FLOOR,
         "random_forward": random,
         "torch": torch.__version__,
@@ -174,6 +178,8 @@ def _floor_text(report: dict[str, Any]) -> str:
         f"eager's own noise floor {floor:.1e}: the largest loss difference of eager against itself with every weight "
         f"moved by one ulp ({len(report['noise_floors'])} seeds, the same steps)"
     )
+    if (gradients := report.get("gradient_floor")) is not None:
+        text += f"; their step-1 gradients {gradients:.1e} from eager's"
     if report.get("chaotic"):
         text += (
             f"; over {parity.CHAOTIC_FLOOR:.0e}: a chaotic model, whose loss after a few steps depends on the last "

@@ -9,6 +9,9 @@
   difference any of them reached. An engine whose gradients agree and whose losses stay within
   max(floor, GRADIENT_TOLERANCE) of eager's is "within eager's own noise"; a model whose floor exceeds
   CHAOTIC_FLOOR is called chaotic (its loss after a few steps depends on the last bit of its weights).
+- The one-ulp runs' step-1 gradients against eager's are reported too (`gradient_floor`): where an engine's
+  gradients differ, it tells an ill-conditioned model (eager's own gradients move with the last bit of its weights)
+  from a wrong gradient. The verdict stays "differs" either way.
 
 Rows are plain dicts keyed by engine (`mode`); a row may carry more keys (a precision) without changing this.
 """
@@ -76,11 +79,13 @@ def gradient_difference(got: dict[str, np.ndarray], want: dict[str, np.ndarray])
     return math.sqrt(diff) / math.sqrt(norm) if norm > 0 else math.sqrt(diff)
 
 
-def verdict(row: dict[str, Any], floor: float | None) -> str:
-    """The verdict for one engine's row (`grad_rel_diff`, `max_rel_loss_diff`) against eager's noise floor."""
+def verdict(row: dict[str, Any], floor: float | None, gradient_floor: float | None = None) -> str:
+    """The verdict for one engine's row (`grad_rel_diff`, `max_rel_loss_diff`) against eager's noise floor
+    (`gradient_floor`: eager's own step-1 gradients with one-ulp weights, shown where the gradients differ)."""
     grads, losses = row.get("grad_rel_diff"), row.get("max_rel_loss_diff")
     if grads is not None and not grads <= GRADIENT_TOLERANCE:
-        return f"differs: step-1 gradients {grads:.1e} from eager's (over {GRADIENT_TOLERANCE:.0e})"
+        own = f"; eager's own with one-ulp weights: {gradient_floor:.1e}" if gradient_floor is not None else ""
+        return f"differs: step-1 gradients {grads:.1e} from eager's (over {GRADIENT_TOLERANCE:.0e}{own})"
     if losses is None or floor is None:
         return "-"
     chaotic = floor > CHAOTIC_FLOOR
