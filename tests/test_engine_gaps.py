@@ -155,3 +155,14 @@ def test_timms_batchnorm_with_activation_is_trained_as_torchs_batchnorm():
 
     with pytest.raises(ModelError, match="forward of its own"):
         batchnorm.refuse_unsupported(nn.Sequential(Custom(4)), "artifacts")
+
+
+def test_the_survey_runs_each_op_alone_through_orts_training_graph_builder():
+    from ortflow.accel import gradient_survey
+
+    layers = {name: gradient_survey.LAYERS[name] for name in ("Hardswish", "ReLU", "Upsample(bilinear)")}
+    results = gradient_survey.survey(16, layers)
+    assert not results["HardSwish"].trains and "not been registered: HardSwish" in results["HardSwish"].status
+    assert not results["Resize"].trains and "ResizeGrad" in results["Resize"].status  # no CPU kernel
+    assert results["Relu"].trains and results["Relu"].layers == ["ReLU"]
+    assert "| HardSwish |" in gradient_survey.markdown(results)
