@@ -14,7 +14,7 @@ VENV ?= .venv
 # What test-range runs on the other end: every engine, parity, resume, custom-Function and distributed test.
 RANGE_TESTS ?= tests/test_compat.py tests/test_engines.py tests/test_zoo.py tests/test_resume.py \
 	tests/test_distributed.py tests/test_graph_fixes.py tests/test_features.py tests/test_vision_engines.py tests/test_aten_layer_norm.py \
-	tests/test_hf.py tests/test_lm_runs.py tests/test_batch_dependence.py tests/test_reliability.py
+	tests/test_hf.py tests/test_lm_runs.py tests/test_batch_dependence.py tests/test_reliability.py tests/test_precision.py tests/test_engine_gaps.py
 BIN := $(VENV)/bin
 TRAIN_STAMP := $(VENV)/.ortflow-train
 TEST_STAMP := $(VENV)/.ortflow-test

@@ -138,3 +138,31 @@ def test_convolutions_onednn_is_picky_about_train_at_parity(kind, layout, tmp_pa
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
     assert_ort_trained(engine, len(batches))
     assert engine.describe()["graph_fixes"]["convolutions_run_by_torch"] == 7
+
+
+def test_timms_batchnorm_with_activation_is_trained_as_torchs_batchnorm():
+    """timm's BatchNormAct2d copies torch's BatchNorm forward (the same running-statistics update) and adds its
+    activation: accepted, where a BatchNorm subclass with a forward of its own is refused."""
+    norm_act = pytest.importorskip("timm.layers.norm_act")
+    from ortflow.accel import batchnorm
+    from ortflow.errors import ModelError
+
+    batchnorm.refuse_unsupported(nn.Sequential(norm_act.BatchNormAct2d(4)), "artifacts")
+
+    class Custom(norm_act.BatchNormAct2d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    with pytest.raises(ModelError, match="forward of its own"):
+        batchnorm.refuse_unsupported(nn.Sequential(Custom(4)), "artifacts")
+
+
+def test_the_survey_runs_each_op_alone_through_orts_training_graph_builder():
+    from ortflow.accel import gradient_survey
+
+    layers = {name: gradient_survey.LAYERS[name] for name in ("Hardswish", "ReLU", "Upsample(bilinear)")}
+    results = gradient_survey.survey(16, layers)
+    assert not results["HardSwish"].trains and "not been registered: HardSwish" in results["HardSwish"].status
+    assert not results["Resize"].trains and "ResizeGrad" in results["Resize"].status  # no CPU kernel
+    assert results["Relu"].trains and results["Relu"].layers == ["ReLU"]
+    assert "| HardSwish |" in gradient_survey.markdown(results)

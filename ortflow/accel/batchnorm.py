@@ -27,6 +27,7 @@ tracking BatchNorm called more than once per forward (ORT's writes of the two ca
 InstanceNorm with track_running_stats=True (ORT's InstanceNormalization keeps no running statistics).
 """
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,22 @@ from ortflow.model.probe import training_forward_probe
 
 # The classes whose forward is torch's own _BatchNorm.forward (the update ortflow reproduces).
 _TORCH_FORWARD = _BatchNorm.forward
+# Subclasses whose forward is a copy of torch's (the same update), followed by elementwise layers: timm's
+# BatchNormAct2d (its `drop` and `act` after F.batch_norm), in nearly every timm CNN.
+_COPIES_OF_TORCH_FORWARD = (("timm.layers.norm_act", "BatchNormAct2d"),)
+
+
+def _follows_torchs_update(module: _BatchNorm) -> bool:
+    forward = type(module).forward
+    if forward is _TORCH_FORWARD:
+        return True
+    for module_name, class_name in _COPIES_OF_TORCH_FORWARD:
+        known = getattr(sys.modules.get(module_name), class_name, None)
+        if known is not None and forward is known.forward:
+            return True
+    return False
+
+
 UNWRITTEN = -1.0  # a variance ORT's BatchNorm kernel can never write (variances are >= 0)
 
 
@@ -70,7 +87,7 @@ def refuse_unsupported(model: nn.Module, mode: str) -> None:
                 "process's batch only, so training would normalise differently from eager PyTorch. Use accel=none, "
                 "or nn.BatchNorm1d/2d/3d (per-process statistics) in the model."
             )
-        if isinstance(module, _BatchNorm) and type(module).forward is not _TORCH_FORWARD:
+        if isinstance(module, _BatchNorm) and not _follows_torchs_update(module):
             raise ModelError(
                 f"accel={mode} cannot train the model's {label}: it subclasses BatchNorm with a forward of its own, "
                 "and ortflow keeps running statistics by reproducing torch's own BatchNorm update, which that forward "

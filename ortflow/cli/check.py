@@ -57,7 +57,7 @@ DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropou
 def without_dropout(model: nn.Module) -> nn.Module:
     """The same model with every dropout probability at 0: the runtimes would otherwise draw different masks."""
     for module in model.modules():
-        if isinstance(module, DROPOUTS):
+        if isinstance(module, DROPOUTS) or type(module).__name__ == "StochasticDepth":  # torchvision.ops's too
             module.p = 0.0
         if isinstance(module, nn.MultiheadAttention):
             module.dropout = 0.0
@@ -148,15 +148,16 @@ def check(overrides: list[str], steps: int, modes: list[str], precisions: tuple[
                 row["grad_rel_diff"] = parity.gradient_difference(got, eager[precision][1])
             if mode in modes and precision in precisions:
                 rows.append(row)
-    floors = []
+    floors, gradient_floors = [], []
     reference_fp32, grads_fp32 = eager[FP32]
     if reference_fp32 is not None:  # eager against itself, every weight one ulp away: the noise any engine is held to
         for seed in parity.NOISE_SEEDS:
-            noisy = try_mode(
-                "none", overrides, steps, parity.perturbed(copy.deepcopy(model), seed), reference_fp32, False
-            )
+            noisy = try_mode("none", overrides, steps, parity.perturbed(copy.deepcopy(model), seed), reference_fp32)
             floors.append(noisy.get("max_rel_loss_diff", math.nan))
+            if (got := noisy.pop("_grads", None)) is not None and grads_fp32:
+                gradient_floors.append(parity.gradient_difference(got, grads_fp32))
     floor = max(floors) if floors and all(map(math.isfinite, floors)) else None
+    gradient_floor = max((g for g in gradient_floors if g is not None), default=None)
     low = {}  # precision -> (loss floor, gradient tolerance): eager in it against eager fp32
     for precision, (losses, grads) in eager.items():
         if precision != FP32 and losses is not None and reference_fp32 is not None:
@@ -165,9 +166,11 @@ def check(overrides: list[str], steps: int, modes: list[str], precisions: tuple[
     for row in rows:
         if row["mode"] != "none" and row.get("trains"):
             if row["precision"] == FP32:
-                row["verdict"] = parity.verdict(row, floor)
+                row["verdict"] = parity.verdict(row, floor, gradient_floor)
             elif row["precision"] in low:
-                row["verdict"] = parity.verdict(row, *low[row["precision"]], what=f"eager {row['precision']}")
+                loss_floor, tolerance = low[row["precision"]]
+                what = f"eager {row['precision']}"
+                row["verdict"] = parity.verdict(row, loss_floor, gradient_tolerance=tolerance, what=what)
     target = cfg.model.get("_target_", "?")
     return {
         "overrides": overrides,
@@ -176,6 +179,7 @@ def check(overrides: list[str], steps: int, modes: list[str], precisions: tuple[
         "rows": rows,
         "noise_floor": floor,
         "noise_floors": floors,
+        "gradient_floor": gradient_floor,
         "precision_floors": {p: {"loss": f, "step1_grads": g} for p, (f, g) in low.items()},
         "chaotic": floor is not None and floor > parity.CHAOTIC_FLOOR,
         "random_forward": random,
@@ -198,6 +202,8 @@ def _floor_text(report: dict[str, Any]) -> str:
         f"eager's own noise floor {floor:.1e}: the largest loss difference of eager against itself with every weight "
         f"moved by one ulp ({len(report['noise_floors'])} seeds, the same steps)"
     )
+    if (gradients := report.get("gradient_floor")) is not None:
+        text += f"; their step-1 gradients {gradients:.1e} from eager's"
     if report.get("chaotic"):
         text += (
             f"; over {parity.CHAOTIC_FLOOR:.0e}: a chaotic model, whose loss after a few steps depends on the last "
