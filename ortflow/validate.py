@@ -15,8 +15,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from ortflow import accel, distributed, ranges
 from ortflow.config import PRECISIONS
 from ortflow.errors import collect
-from ortflow.model import OUTPUT_KEY
-from ortflow.model.freeze import FREEZE_KEY
+from ortflow.model import FREEZE_KEY, OUTPUT_KEY
 from ortflow.run.trainer import FINAL_METRICS
 
 log = logging.getLogger(__name__)

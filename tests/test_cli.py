@@ -87,7 +87,7 @@ def test_help_lists_the_config_groups(tmp_path):
     result = run_cli("--help", cwd=tmp_path)
     assert result.returncode == 0
     assert "accel: artifacts, auto, none, ortmodule" in result.stdout
-    assert "recipe: digits, regression, transformer" in result.stdout
+    assert "recipe: digits, finetune, regression, transformer" in result.stdout
     assert "loss: bce_with_logits, cross_entropy, custom, mse" in result.stdout
 
 

@@ -11,7 +11,7 @@ from ortflow import accel
 from ortflow.accel.engine import EngineContext
 from ortflow.config import DebugConfig, OptimConfig
 from ortflow.data.text import build_text_data
-from ortflow.model import sequence_first
+from ortflow.model import builder_node, sequence_first
 from ortflow.model.contract import check_model
 from ortflow.step.loss import CrossEntropy
 from tests.conftest import REPO, TINY, make_cfg
@@ -54,7 +54,7 @@ def test_the_shipped_transformer_and_a_sequence_first_model_pass_the_batch_check
     shipped = make_cfg("model.vocab_size=256")
     from hydra.utils import instantiate
 
-    check_model(instantiate(shipped.model), x, x, CrossEntropy(), "transformer")
+    check_model(instantiate(builder_node(shipped.model)), x, x, CrossEntropy(), "transformer")
     check_model(sequence_first(build_seed_model()), x, x, CrossEntropy(), "seed")
     with pytest.raises(Exception, match="mixes samples"):
         check_model(build_seed_model(), x, x, CrossEntropy(), "seed")

@@ -10,6 +10,7 @@ from hydra.utils import instantiate
 
 import ortflow
 from ortflow.errors import ModelError
+from ortflow.model import builder_node
 from ortflow.model.torchvision_models import build_torchvision
 from ortflow.validate import validate
 from tests.conftest import make_cfg
@@ -33,7 +34,9 @@ def test_the_vision_recipe_composes_in_every_accel_mode(accel):
 
 
 def test_the_resnet_option_builds_the_configured_depth():
-    model = instantiate(make_cfg("model=resnet", "data=images", "model.blocks=[2,1]", "model.width=8").model)
+    model = instantiate(
+        builder_node(make_cfg("model=resnet", "data=images", "model.blocks=[2,1]", "model.width=8").model)
+    )
     assert len(model.stages) == 3 and model.head.in_features == 16
 
 

@@ -6,6 +6,7 @@ returns a tuple, a dict or an object with the logits as one of its fields)."""
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ortflow.errors import ModelError
@@ -35,6 +36,12 @@ def sequence_first(model: nn.Module) -> nn.Module:
 # `model._output_=KEY`: which element of a forward's tuple/dict/object output holds the logits (ortflow's key: it
 # is not passed to the builder).
 OUTPUT_KEY = "_output_"
+FREEZE_KEY = "freeze"  # ortflow's key in every model group (model.freeze, ortflow/model/freeze.py)
+
+
+def builder_node(model: DictConfig) -> DictConfig:
+    """The model group without ortflow's own keys (_output_, freeze): what the builder is called with."""
+    return OmegaConf.masked_copy(model, [k for k in model if k not in (OUTPUT_KEY, FREEZE_KEY)])
 
 
 def output_keys(output: Any) -> list[str]:

@@ -18,8 +18,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ortflow.errors import ConfigError
 
-FREEZE_KEY = "freeze"  # ortflow's key in every model group, taken out before the builder is called
-
 
 class FrozenBatchNorm(nn.Module):
     """BatchNorm with fixed statistics and affine parameters: y = (x - running_mean) / sqrt(running_var + eps) *

@@ -25,10 +25,10 @@ from ortflow.data.short_batches import ShortBatches
 from ortflow.distributed import World
 from ortflow.errors import ConfigError, DataError, OrtflowError, is_allocation_failure
 from ortflow.files import as_write_failure, write_bytes_atomic
-from ortflow.model import OUTPUT_KEY, select_output, sequence_first
+from ortflow.model import FREEZE_KEY, OUTPUT_KEY, builder_node, select_output, sequence_first
 from ortflow.model.batch_dependence import BatchDependence
 from ortflow.model.contract import check_builder_result, check_model
-from ortflow.model.freeze import FREEZE_KEY, ParameterCount, freeze
+from ortflow.model.freeze import ParameterCount, freeze
 from ortflow.model.hf import check_vocabulary
 from ortflow.report import terminal
 from ortflow.report.logger import RunLogger
@@ -129,7 +129,7 @@ def build_checked_model(cfg: DictConfig, data: Data) -> tuple[nn.Module, BatchDe
     target = cfg.model.get("_target_", "?")
     output = cfg.model.get(OUTPUT_KEY)  # ortflow's keys, not the builder's: taken out before instantiating
     frozen = list(cfg.model.get(FREEZE_KEY) or [])
-    node = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k not in (OUTPUT_KEY, FREEZE_KEY)])
+    node = builder_node(cfg.model)
     _vocabulary(node, data)
     model = check_builder_result(_build("model", node), target)
     if node.get("name_or_path"):
