@@ -109,17 +109,10 @@ _LIBRARY.impl("convolution_bf16", _convolution_bf16, "CPU")
 _LIBRARY.impl("convolution_bf16_backward", _convolution_bf16_backward, "CPU")
 
 
-def gradient(backward: str = BACKWARD) -> list[tuple]:
-    """ORT's gradient definition for the forward ATen node (see onnxruntime's _custom_gradient_registry.py): one ATen
-    node, inputs GO(0) and the forward node's ten inputs, outputs the gradients of input, weight and bias."""
-    return [
-        (
-            ("ATen", "org.pytorch.aten"),
-            ["GO(0)", *(f"I({i})" for i in range(10))],
-            ["GI(0)", "GI(1)", "GI(2)"],
-            {"operator": {"value": backward, "dtype": "string"}},
-        )
-    ]
+# ORT's gradient of the forward node: one ATen node on GO(0) and the forward node's ten inputs, returning the
+# gradients of input, weight and bias.
+_GRADIENT_INPUTS = ["GO(0)", *(f"I({i})" for i in range(10))]
+gradient = aten_nodes.one_node_gradient(BACKWARD, _GRADIENT_INPUTS)
 
 
 # input, weight and bias may get a gradient; the mask is the forward node's tenth input
@@ -139,7 +132,7 @@ aten_nodes.register(
         BACKWARD_BF16,
         (0, 1, 2),
         mask_input=9,
-        gradient=lambda: gradient(BACKWARD_BF16),
+        gradient=aten_nodes.one_node_gradient(BACKWARD_BF16, _GRADIENT_INPUTS),
         fix_name="convolutions_run_by_torch_bf16",
     )
 )

@@ -80,17 +80,9 @@ _LIBRARY.impl("gemm_bf16", _gemm, "CPU")
 _LIBRARY.impl("gemm_bf16_backward", _gemm_backward, "CPU")
 
 
-def gradient() -> list[tuple]:
-    """ORT's gradient definition for the forward ATen node: one ATen node, inputs GO(0), the forward node's bf16 copies
-    of a and b (its outputs 1 and 2), its bias, transpose flag and mask; outputs the gradients of a, b and bias."""
-    return [
-        (
-            ("ATen", "org.pytorch.aten"),
-            ["GO(0)", "O(1)", "O(2)", "I(2)", "I(3)", "I(4)"],
-            ["GI(0)", "GI(1)", "GI(2)"],
-            {"operator": {"value": BACKWARD, "dtype": "string"}},
-        )
-    ]
+# ORT's gradient of the forward node: one ATen node on GO(0), the forward node's bf16 copies of a and b (its outputs 1
+# and 2), its bias, transpose flag and mask; it returns the gradients of a, b and bias.
+gradient = aten_nodes.one_node_gradient(BACKWARD, ["GO(0)", "O(1)", "O(2)", "I(2)", "I(3)", "I(4)"])
 
 
 # a, b and bias may get a gradient; the mask is the forward node's fifth input

@@ -50,18 +50,9 @@ _LIBRARY.impl("layer_norm", _layer_norm, "CPU")
 _LIBRARY.impl("layer_norm_backward", _layer_norm_backward, "CPU")
 
 
-def gradient() -> list[tuple]:
-    """ORT's gradient definition for the forward ATen node (see onnxruntime's _custom_gradient_registry.py): one ATen
-    node, inputs GO(0), the forward node's six inputs and its saved mean and 1/std; outputs the gradients of input,
-    weight and bias."""
-    return [
-        (
-            ("ATen", "org.pytorch.aten"),
-            ["GO(0)", *(f"I({i})" for i in range(6)), "O(1)", "O(2)"],
-            ["GI(0)", "GI(1)", "GI(2)"],
-            {"operator": {"value": BACKWARD, "dtype": "string"}},
-        )
-    ]
+# ORT's gradient of the forward node: one ATen node on GO(0), the forward node's six inputs and its saved mean and
+# 1/std; it returns the gradients of input, weight and bias.
+gradient = aten_nodes.one_node_gradient(BACKWARD, ["GO(0)", *(f"I({i})" for i in range(6)), "O(1)", "O(2)"])
 
 
 # input, weight and bias (the first three inputs) may get a gradient; the mask is the forward node's sixth input
