@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from ortflow.accel import compat
+from ortflow.accel import compat, export_warnings
 
 log = logging.getLogger(__name__)
 
@@ -197,17 +197,18 @@ class OpResult:
 def export_layer(module: nn.Module, shape: tuple[int, ...], opset: int) -> onnx.ModelProto:
     torch.manual_seed(0)
     buffer = io.BytesIO()
-    torch.onnx.export(
-        module.train(),
-        (torch.randn(*shape),),
-        buffer,
-        input_names=["x"],
-        output_names=["y"],
-        do_constant_folding=False,
-        training=torch.onnx.TrainingMode.TRAINING,
-        opset_version=opset,
-        dynamo=False,
-    )
+    with export_warnings.expected():  # the legacy exporter in training mode, on purpose
+        torch.onnx.export(
+            module.train(),
+            (torch.randn(*shape),),
+            buffer,
+            input_names=["x"],
+            output_names=["y"],
+            do_constant_folding=False,
+            training=torch.onnx.TrainingMode.TRAINING,
+            opset_version=opset,
+            dynamo=False,
+        )
     return onnx.load_from_string(buffer.getvalue())
 
 
