@@ -177,18 +177,17 @@ def from_main(make: Callable[[], T], timeout_s: float) -> T:
     `timeout_s` (a group of its own: the default group's collectives time out after distributed.timeout_s)."""
     if not dist.is_initialized():
         return make()
+    # The group lives until the process group is destroyed (distributed.stop): destroying a subgroup right after its
+    # broadcast left the ranks out of step on torch 2.6 (the next collective, DDP's parameter check, timed out).
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     failure: BaseException | None = None
-    try:
-        box: list = [None]
-        if dist.get_rank() == 0:
-            try:
-                box = [("ok", make())]
-            except Exception as err:  # every rank stops with it, none waits for a result that never comes
-                failure, box = err, [("failed", str(err))]
-        dist.broadcast_object_list(box, src=0, group=group)
-    finally:
-        dist.destroy_process_group(group)
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", make())]
+        except Exception as err:  # every rank stops with it, none waits for a result that never comes
+            failure, box = err, [("failed", str(err))]
+    dist.broadcast_object_list(box, src=0, group=group)
     if failure is not None:
         raise failure
     status, value = box[0]
