@@ -117,7 +117,7 @@ def test_auto_precision_follows_the_cpus_bf16_units_and_emulation_is_said(monkey
 
 def test_the_bench_measures_every_mode_in_each_precision_and_compares_within_it():
     from ortflow.cli.bench import mode_specs, parse_args
-    from ortflow.report.bench_tables import summarize
+    from ortflow.report.bench_tables import mode_label, summarize
 
     args = parse_args(["--precision", "fp32,bf16-mixed", "--modes", "none,artifacts:accel.aten_conv=false"])
     specs = mode_specs(args)
@@ -134,3 +134,8 @@ def test_the_bench_measures_every_mode_in_each_precision_and_compares_within_it(
     assert rows[specs[3]]["vs_eager"] == pytest.approx(2.4)
     assert rows[specs[3]]["vs_eager_same_precision"] == pytest.approx(1.5)
     assert "vs_eager_same_precision" not in rows["none"]
+    assert [mode_label(m) for m in specs[1:]] == [
+        "artifacts:accel.aten_conv=false",
+        "none bf16-mixed",
+        "artifacts:accel.aten_conv=false bf16-mixed",
+    ]

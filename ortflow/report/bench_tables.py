@@ -72,6 +72,16 @@ def summarize(
     return rows
 
 
+def mode_label(mode: str) -> str:
+    """A mode spec as the table shows it: `artifacts bf16-mixed` for `artifacts:trainer.precision=bf16-mixed`."""
+    precision = precision_of(mode)
+    if precision is None:
+        return mode
+    base, _, own = mode.partition(":")
+    rest = ";".join(o for o in own.split(";") if not o.startswith("trainer.precision="))
+    return f"{base}{':' + rest if rest else ''} {precision}"
+
+
 def precision_of(mode: str) -> str | None:
     """The trainer.precision a mode spec sets (`ortmodule:trainer.precision=bf16-mixed`), None when it sets none."""
     for override in mode.partition(":")[2].split(";"):
@@ -101,12 +111,14 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
         t.add_column(col, justify="left" if col in ("setting", "mode") else "right")
     for r in rows:
         if "error" in r:
-            t.add_row(r["setting"], r["mode"], "", f"failed: {short(r['error'])}", *[""] * (len(columns) - 4))
+            t.add_row(
+                r["setting"], mode_label(r["mode"]), "", f"failed: {short(r['error'])}", *[""] * (len(columns) - 4)
+            )
             continue
         trainable = r.get("trainable_params")
         t.add_row(
             r["setting"],
-            r["mode"],
+            mode_label(r["mode"]),
             f"{trainable / 1e6:.2f}M" if trainable is not None else "-",
             f"{rate(r['samples_per_s'])} ({rate(r['samples_per_s_min'])}-{rate(r['samples_per_s_max'])})",
             f"{r['vs_eager']:.2f}" if "vs_eager" in r else "-",
