@@ -4,8 +4,9 @@ model and batch, pick the fastest, and train with it.
 Which engine wins depends on the CPU (whose matmuls are faster, torch's or ORT's; whether it has bf16 units) and on
 the model (its width, convolutions, normalisation layers); a user should not have to know. The probe:
 - builds every candidate engine on a copy of the model (its own ONNX files in a temporary folder), takes one untimed
-  step (export, session creation), then times `probe_steps` steps on the run's example batch (the first batch of the
-  training data, read without drawing from the loader). Its cost is bounded: one export and 1 + probe_steps steps per
+  step (export, session creation) and two untimed warm-up steps, then times `probe_steps` steps on the run's example
+  batch (the first batch of the training data, read without drawing from the loader). Its cost is bounded: one export
+  and 3 + probe_steps steps per
   engine and precision. The random generators are restored after it: the run trains exactly as `accel=<choice>`
   would, bit for bit;
 - prints its table and choice, records both in run.json (the engine's `auto` entry) and in every checkpoint: a
@@ -52,7 +53,8 @@ log = logging.getLogger(__name__)
 NAME = "auto"
 TITLE = "the fastest engine on this model and CPU, measured before training"
 ENGINES = {module.NAME: module for module in (none, ortmodule, artifacts)}
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+WARMUP_STEPS = 2  # untimed steps after the first: the first bf16 steps were slower than the rest (oneDNN's kernels)
 
 
 def _engine_settings() -> dict[str, dataclasses.Field]:
@@ -71,7 +73,7 @@ def _make_settings() -> type:
         ("_target_", str, dataclasses.field(default="ortflow.accel.auto.build")),
         # The engines probed, in this order (ties keep the earlier one).
         ("candidates", list[str], dataclasses.field(default_factory=lambda: list(ENGINES))),
-        ("probe_steps", int, ranged(3, Interval(ge=1, le=100))),  # timed steps per engine and precision
+        ("probe_steps", int, ranged(5, Interval(ge=1, le=100))),  # timed steps per engine and precision
         ("cache", bool, dataclasses.field(default=True)),  # reuse a probe of the same model and batch on this machine
         ("timeout_s", int, ranged(1800, Ge(1))),  # DDP: how long the other ranks wait for rank 0's probe
     ]
@@ -175,6 +177,8 @@ def probe_one(ctx: EngineContext, name: str, precision: str, settings: dict[str,
             engine = ENGINES[name].build(trial, **_settings_for(name, settings))
             loss = _step(engine, trial)
             result.first_step_s = time.perf_counter() - start
+            for _ in range(WARMUP_STEPS):  # kernels picked and memory pooled for these shapes (bf16's first steps)
+                loss = _step(engine, trial)
             times = []
             for _ in range(steps):
                 start = time.perf_counter()
