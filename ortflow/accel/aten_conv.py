@@ -20,7 +20,6 @@ compete with the torch threads running these kernels).
 
 from typing import Any
 
-import onnx
 import torch
 from torch.onnx import symbolic_helper
 
@@ -136,11 +135,6 @@ aten_nodes.register(
         fix_name="convolutions_run_by_torch_bf16",
     )
 )
-
-
-def count(model: onnx.ModelProto) -> int:
-    """How many convolutions of an exported graph are ATen nodes."""
-    return aten_nodes.count(model, OPERATOR) + aten_nodes.count(model, OPERATOR_BF16)
 
 
 def _ints(g: Any, values: list[int]) -> Any:

@@ -159,8 +159,3 @@ def addmm(native):
 
 def _float_any(value) -> bool:
     return value.type().scalarType() == "Float" if value.type().kind() == "TensorType" else False
-
-
-def count(model) -> int:
-    """How many matrix multiplies of an exported graph are bf16 ATen nodes."""
-    return aten_nodes.count(model, OPERATOR)

@@ -68,11 +68,6 @@ aten_nodes.register(
 )
 
 
-def count(model) -> int:
-    """How many LayerNorms of an exported graph are ATen nodes."""
-    return aten_nodes.count(model, OPERATOR)
-
-
 @symbolic_helper.parse_args("v", "is", "v", "v", "f", "none")
 def emit(g: Any, input, normalized_shape, weight, bias, eps, cudnn_enable) -> Any:
     """One ATen node running ortflow::layer_norm; its output typed as the traced LayerNorm's, the saved statistics

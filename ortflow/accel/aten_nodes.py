@@ -62,11 +62,6 @@ def operator(node: onnx.NodeProto) -> str | None:
     return next((a.s.decode() for a in node.attribute if a.name == "operator"), None)
 
 
-def count(model: onnx.ModelProto, forward: str) -> int:
-    """How many nodes of an exported graph run the ATen operator `forward`."""
-    return sum(operator(node) == forward for node in model.graph.node)
-
-
 def count_all(model: onnx.ModelProto) -> dict[str, int]:
     """How many nodes of an exported graph run each registered operator (those present only)."""
     counts: dict[str, int] = {}

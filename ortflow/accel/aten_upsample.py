@@ -16,7 +16,6 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import onnx
 import torch
 
 from ortflow.accel import aten_nodes
@@ -92,8 +91,3 @@ for _name in DIMS:
             overload="vec",
         )
     )
-
-
-def count(model: onnx.ModelProto) -> int:
-    """How many upsampling nodes of an exported graph are ATen nodes."""
-    return sum(aten_nodes.operator(node) in DIMS for node in model.graph.node)
