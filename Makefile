@@ -44,7 +44,7 @@ $(TEST_STAMP): $(TRAIN_STAMP)
 # ORTModule's C++ extensions: built once per machine (about a minute on 2 cores; kept in ~/.cache/ortflow/extensions),
 # copied into each venv, skipped when present.
 setup: $(TRAIN_STAMP)
-	$(BIN)/python -m ortflow.accel.extensions
+	$(BIN)/python -m ortflow.accel.compat.extensions
 
 setup-test: setup $(TEST_STAMP)
 
@@ -54,6 +54,7 @@ train: setup
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check ortflow tests hydra_plugins
 	$(BIN)/ruff format --check ortflow tests hydra_plugins
+	$(BIN)/lint-imports
 
 # Tests run on every core (pytest-xdist): they are independent (own tmp dirs, free ports, in-process Hydra state
 # per worker). PYTEST_ARGS="-n 0" runs them in one process.

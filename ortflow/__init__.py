@@ -12,6 +12,7 @@ Errors a user can fix raise OrtflowError subclasses. `import ortflow` stays ligh
 Hydra, ONNX Runtime) load on first use.
 """
 
+import importlib.metadata
 from typing import Any
 
 from ortflow.errors import (
@@ -38,7 +39,7 @@ __all__ = [
     "load_run",
     "train",
 ]
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("ortflow")  # pyproject.toml's, the one place it is written
 
 _API = ("compose", "train", "load_run", "RunResult")
 

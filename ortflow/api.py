@@ -24,18 +24,19 @@ from typing import Any
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
-from ortflow import preflight
-from ortflow.config import register_configs
+from ortflow import accel, preflight
+from ortflow.config import store_schemas
 from ortflow.errors import ConfigError
+from ortflow.files import read_record
 from ortflow.paths import config_dir as ortflow_config_dir
 from ortflow.report.summary import print_summary
 from ortflow.report.terminal import job_logging
-from ortflow.run.metadata import read_record
 from ortflow.validate import validate
 
 
@@ -68,6 +69,14 @@ class RunResult:
     def __repr__(self) -> str:
         shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.metrics.items() if "/" in k}
         return f"RunResult(run_dir='{self.run_dir}', status={self.status!r}, metrics={shown})"
+
+
+def register_configs() -> None:
+    """Register the config schema and every built-in engine's settings with Hydra's ConfigStore (idempotent; call
+    before composing)."""
+    store = ConfigStore.instance()
+    store_schemas(store)
+    accel.register_schemas(store)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Structured-config schema: one dataclass per config group, registered with Hydra in `register_configs`.
+"""Structured-config schema: one dataclass per config group, stored in Hydra's ConfigStore by `store_schemas`.
 
 The YAML files under conf/ choose values; these classes fix which keys exist and their types, so a typo, a
 wrong type or an unknown key stops Hydra before anything runs. Groups with several shapes (model, data,
@@ -32,6 +32,11 @@ class TransformerModelConfig:
     dropout: float = ranged(0.1, PROBABILITY)  # nn.TransformerEncoderLayer's default
     causal: bool = True  # attend only to earlier positions (a language model must not see the next token)
     freeze: list[str] = field(default_factory=list)  # globs of parameters/modules that do not train (model/freeze.py)
+
+
+# The final metrics every run reports (run.json "metrics"), besides its loss's eval metrics (eval/accuracy for
+# classification, eval/mae for regression: ortflow/step/loss.py); a sweep job can return any of them as its objective.
+FINAL_METRICS = ("train/loss", "eval/loss", "perf/samples_per_sec")
 
 
 @dataclass
@@ -397,13 +402,10 @@ _SCHEMAS: dict[str, dict[str, type]] = {
 }
 
 
-def register_configs() -> None:
-    """Register the schema with Hydra's ConfigStore (idempotent; call before composing)."""
-    from ortflow.accel import register_schemas
-
-    cs = ConfigStore.instance()
+def store_schemas(cs: ConfigStore) -> None:
+    """Store the schema of every config group in Hydra's ConfigStore `cs` (the engines' own schemas are stored by
+    `ortflow.api.register_configs`)."""
     cs.store(name="config_schema", node=Config)
     for group, schemas in _SCHEMAS.items():
         for name, node in schemas.items():
             cs.store(group=f"schema/{group}", name=name, node=node)
-    register_schemas(cs)

@@ -140,3 +140,21 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 def write_bytes_atomic(path: Path, content: bytes) -> None:
     """`content` written atomically (see write_atomic)."""
     write_atomic(path, lambda file: file.write(content))
+
+
+def read_record(run_dir: Path) -> dict[str, Any] | None:
+    """The run.json in `run_dir`, or None when there is none or it cannot be read."""
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat |= flatten(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}")
+    return flat

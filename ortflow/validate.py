@@ -13,10 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from ortflow import accel, distributed, ranges
-from ortflow.config import PRECISIONS
+from ortflow.config import FINAL_METRICS, PRECISIONS
 from ortflow.errors import collect
 from ortflow.model import FREEZE_KEY, OUTPUT_KEY
-from ortflow.run.trainer import FINAL_METRICS
 
 log = logging.getLogger(__name__)
 

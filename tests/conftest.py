@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from ortflow.config import register_configs
+from ortflow.api import register_configs
 from ortflow.paths import config_dir
 
 REPO = Path(__file__).resolve().parent.parent

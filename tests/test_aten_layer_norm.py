@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from ortflow.accel.engine import WithLoss
 from ortflow.step.batch import Layout
 from ortflow.step.loss import CrossEntropy
+from ortflow.step.with_loss import WithLoss
 from tests.test_vision_engines import RTOL, assert_ort_trained, make_engine, train_both
 
 FEATURES, CLASSES, BATCH, STEPS = 8, 5, 6, 4
@@ -95,7 +95,7 @@ def test_off_leaves_layer_norm_to_ort(kind, tmp_path):
     assert_ort_trained(engine, STEPS)
 
 
-# The user's own call of the legacy exporter passes through ortflow's export wrapper (accel/compat_torch.py), which
+# The user's own call of the legacy exporter passes through ortflow's export wrapper (compat/torch_patches.py), which
 # torch's deprecation notice then names as its caller.
 @pytest.mark.filterwarnings("ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning")
 @pytest.mark.parametrize("opset", [16, 17])

@@ -9,34 +9,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from ortflow.accel import compat, compat_cpp, compat_torch, extensions
+from ortflow.accel.compat import cpp_patches, extensions, torch_patches, versions
 from ortflow.errors import OrtflowError
 
 
 def test_the_installed_stack_is_supported():
-    assert compat.untested_versions() == {}
-    compat.require_supported_versions()
+    assert versions.untested_versions() == {}
+    versions.require_supported_versions()
 
 
 @pytest.mark.parametrize("torch_version", ["2.5.1", "2.15.0+cpu", "3.0.0"])
 def test_an_unknown_torch_is_refused_naming_installed_and_supported(monkeypatch, torch_version):
-    installed = {**compat.installed_versions(), "torch": torch_version}
-    monkeypatch.setattr(compat, "installed_versions", lambda: installed)
-    monkeypatch.delenv(compat.ALLOW_UNTESTED, raising=False)
+    installed = {**versions.installed_versions(), "torch": torch_version}
+    monkeypatch.setattr(versions, "installed_versions", lambda: installed)
+    monkeypatch.delenv(versions.ALLOW_UNTESTED, raising=False)
     with pytest.raises(OrtflowError) as refused:
-        compat.require_supported_versions()
+        versions.require_supported_versions()
     message = str(refused.value)
-    assert f"torch {torch_version}" in message and "torch 2.6 to 2.14" in message and compat.ALLOW_UNTESTED in message
+    assert f"torch {torch_version}" in message and "torch 2.6 to 2.14" in message and versions.ALLOW_UNTESTED in message
     assert "\n" not in message
-    monkeypatch.setenv(compat.ALLOW_UNTESTED, "1")
-    compat.require_supported_versions()  # the override lets a user try anyway
-    assert compat.untested_versions() == {"torch": torch_version}
+    monkeypatch.setenv(versions.ALLOW_UNTESTED, "1")
+    versions.require_supported_versions()  # the override lets a user try anyway
+    assert versions.untested_versions() == {"torch": torch_version}
 
 
 # ------------------------------------------------------------------------------ patches keyed on the torch version
 def test_patches_are_keyed_on_the_torch_version():
     def names(version, cpu_only=False):  # cpu_only=False: a CUDA build, as PyPI's default torch
-        return [patch.name for patch in compat_torch.needed(version, cpu_only)]
+        return [patch.name for patch in torch_patches.needed(version, cpu_only)]
 
     assert names((2, 6)) == names((2, 8)) == []  # the Python side broke in 2.9
     assert names((2, 9)) == [
@@ -46,16 +46,16 @@ def test_patches_are_keyed_on_the_torch_version():
         "alias_moved_convolution_symbolics",
     ]
     assert names((2, 6), cpu_only=True) == ["no_nvtx_ranges_on_cpu_builds"]
-    assert names((2, 13), cpu_only=True) == [patch.name for patch in compat_torch.PATCHES]
-    assert [patch.name for patch in compat_cpp.needed((2, 6))] == ["dirty_inputs_by_grad_fn"]  # ORT's own bug
-    assert compat_cpp.needed((2, 7)) == compat_cpp.needed((2, 14)) == list(compat_cpp.PATCHES)
-    for patch in [*compat_torch.PATCHES, *compat_cpp.PATCHES]:
+    assert names((2, 13), cpu_only=True) == [patch.name for patch in torch_patches.PATCHES]
+    assert [patch.name for patch in cpp_patches.needed((2, 6))] == ["dirty_inputs_by_grad_fn"]  # ORT's own bug
+    assert cpp_patches.needed((2, 7)) == cpp_patches.needed((2, 14)) == list(cpp_patches.PATCHES)
+    for patch in [*torch_patches.PATCHES, *cpp_patches.PATCHES]:
         assert patch.reason and "\n" not in patch.reason
 
 
 def test_the_installed_torch_gets_exactly_the_python_patches_it_needs():
-    applied = compat.prepare()
-    assert applied == [patch.name for patch in compat_torch.needed()]
+    applied = versions.prepare()
+    assert applied == [patch.name for patch in torch_patches.needed()]
     from onnxruntime.training.ortmodule import ORTModule  # imports only with those patches on torch >= 2.9
 
     assert ORTModule is not None
@@ -63,10 +63,10 @@ def test_the_installed_torch_gets_exactly_the_python_patches_it_needs():
 
 def test_source_patches_apply_to_ort_1_19_2_sources(tmp_path):
     pristine = extensions.extensions_dir() / "cpu"
-    for version, expected in (((2, 6), ["dirty_inputs_by_grad_fn"]), ((2, 14), [p.name for p in compat_cpp.PATCHES])):
+    for version, expected in (((2, 6), ["dirty_inputs_by_grad_fn"]), ((2, 14), [p.name for p in cpp_patches.PATCHES])):
         cpu = tmp_path / f"{version[0]}.{version[1]}"
         shutil.copytree(pristine, cpu)
-        assert compat_cpp.apply(cpu, version) == expected
+        assert cpp_patches.apply(cpu, version) == expected
     new = (tmp_path / "2.14" / "torch_interop_utils" / "custom_function_fw.cc").read_text()
     old = (tmp_path / "2.6" / "torch_interop_utils" / "custom_function_fw.cc").read_text()
     assert old != (pristine / "torch_interop_utils" / "custom_function_fw.cc").read_text()
@@ -83,7 +83,7 @@ def test_a_source_the_patches_do_not_fit_stops_the_build_naming_the_patch(tmp_pa
     setup = cpu / "torch_interop_utils" / "setup.py"
     setup.write_text(setup.read_text().replace('"-std=c++17"', '"-std=c++14"'))
     with pytest.raises(OrtflowError, match=r"patch 'cxx20'.*onnxruntime-training 1\.19\.2"):
-        compat_cpp.apply(cpu, (2, 14))
+        cpp_patches.apply(cpu, (2, 14))
 
 
 def test_ortmodule_export_defaults_to_the_torchscript_exporter_only_inside_ortmodule(monkeypatch):
@@ -93,9 +93,9 @@ def test_ortmodule_export_defaults_to_the_torchscript_exporter_only_inside_ortmo
         calls.append(dynamo)
 
     monkeypatch.setattr(torch.onnx, "export", export)
-    compat_torch._torchscript_export_for_ort()
+    torch_patches._torchscript_export_for_ort()
     torch.onnx.export(None, (), "a.onnx")
-    with compat_torch.exporting():
+    with torch_patches.exporting():
         torch.onnx.export(None, (), "b.onnx")
         torch.onnx.export(None, (), "c.onnx", dynamo=True)  # an explicit choice is kept
     assert calls == [None, False, True]
@@ -105,10 +105,10 @@ def test_ortmodule_export_defaults_to_the_torchscript_exporter_only_inside_ortmo
 def test_extensions_built_for_another_torch_are_rebuilt(tmp_path):
     assert not extensions.is_built(tmp_path)
     (tmp_path / "torch_interop_utils.so").write_bytes(b"")
-    assert extensions.is_built(tmp_path) == (not compat_cpp.needed())  # ORT's installer: no record
+    assert extensions.is_built(tmp_path) == (not cpp_patches.needed())  # ORT's installer: no record
     (tmp_path / extensions.RECORD).write_text(json.dumps({"torch": "2.0.0", "patches": []}))
     assert not extensions.is_built(tmp_path)
-    patches = [patch.name for patch in compat_cpp.needed()]
+    patches = [patch.name for patch in cpp_patches.needed()]
     (tmp_path / extensions.RECORD).write_text(json.dumps({"torch": torch.__version__, "patches": patches[:-1]}))
     assert not extensions.is_built(tmp_path)  # built before ortflow carried its latest patch
     (tmp_path / extensions.RECORD).write_text(json.dumps({"torch": torch.__version__, "patches": patches}))
@@ -118,15 +118,15 @@ def test_extensions_built_for_another_torch_are_rebuilt(tmp_path):
 def test_the_installed_extensions_were_built_for_this_torch_with_its_patches():
     record = extensions.build_record()
     if record is None:  # built by ORT's own installer (torch 2.6, before ortflow kept a record)
-        assert not compat_cpp.needed()
+        assert not cpp_patches.needed()
     else:
         assert record["torch"] == torch.__version__
-        assert record["patches"] == [patch.name for patch in compat_cpp.needed()]
+        assert record["patches"] == [patch.name for patch in cpp_patches.needed()]
     assert extensions.is_built()
 
 
 def test_the_unity_build_compiles_every_source_once_without_debug_info(tmp_path):
-    from ortflow.accel import extension_setup
+    from ortflow.accel.compat import extension_setup
 
     sources = [tmp_path / "a.cc", tmp_path / "b.cc"]
     for source in sources:
@@ -150,7 +150,7 @@ def test_extensions_in_the_machine_cache_are_copied_not_compiled(tmp_path, monke
     monkeypatch.setattr(extensions, "_compile", lambda *args: pytest.fail("compiled although cached"))
     patched = tmp_path / "patched"
     shutil.copytree(folder / "cpu", patched)
-    patches = compat_cpp.apply(patched)
+    patches = cpp_patches.apply(patched)
     cached = extensions.cache_root() / extensions.build_key(patched)
     cached.mkdir(parents=True)
     (cached / "torch_interop_utils.so").write_bytes(b"built")
@@ -181,10 +181,10 @@ def test_only_the_exporters_expected_warnings_are_silenced_and_said_once(caplog,
     import logging
     import warnings
 
-    from ortflow.accel import export_warnings
+    from ortflow.accel.compat import export_warnings
 
     monkeypatch.setattr(export_warnings, "_said", False)
-    with caplog.at_level(logging.INFO, logger="ortflow.accel.export_warnings"):
+    with caplog.at_level(logging.INFO, logger="ortflow.accel.compat.export_warnings"):
         for _ in range(2):
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")

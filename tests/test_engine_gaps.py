@@ -144,7 +144,7 @@ def test_timms_batchnorm_with_activation_is_trained_as_torchs_batchnorm():
     """timm's BatchNormAct2d copies torch's BatchNorm forward (the same running-statistics update) and adds its
     activation: accepted, where a BatchNorm subclass with a forward of its own is refused."""
     norm_act = pytest.importorskip("timm.layers.norm_act")
-    from ortflow.accel import batchnorm
+    from ortflow.accel.graph import batchnorm
     from ortflow.errors import ModelError
 
     batchnorm.refuse_unsupported(nn.Sequential(norm_act.BatchNormAct2d(4)), "artifacts")
@@ -158,7 +158,7 @@ def test_timms_batchnorm_with_activation_is_trained_as_torchs_batchnorm():
 
 
 def test_the_survey_runs_each_op_alone_through_orts_training_graph_builder():
-    from ortflow.accel import gradient_survey
+    from ortflow.accel.graph import gradient_survey
 
     layers = {name: gradient_survey.LAYERS[name] for name in ("Hardswish", "ReLU", "Upsample(bilinear)")}
     results = gradient_survey.survey(16, layers)

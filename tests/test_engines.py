@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ortflow import accel
-from ortflow.accel.engine import EngineContext, WithLoss, pad_batch
+from ortflow.accel.engine import EngineContext, pad_batch
 from ortflow.config import DebugConfig, OptimConfig
 from ortflow.data.text import build_text_data
 from ortflow.errors import OrtflowError
@@ -19,6 +19,7 @@ from ortflow.model.transformer import build_transformer
 from ortflow.run.trainer import evaluate
 from ortflow.step.batch import Layout
 from ortflow.step.loss import IGNORE_INDEX, MSE, CrossEntropy
+from ortflow.step.with_loss import WithLoss
 from tests.conftest import make_cfg
 
 STEPS = 10
@@ -278,8 +279,9 @@ def test_fed_dropout_masks_give_eager_pytorchs_loss_and_gradients(kind, family, 
     PyTorch fed the same masks gives the engine's loss and gradients."""
     import copy
 
-    from ortflow.accel import compat, fed_dropout
-    from ortflow.accel.rewrites import draw_masks
+    from ortflow.accel.compat import ortmodule_patches
+    from ortflow.accel.graph import fed_dropout
+    from ortflow.accel.graph.rewrites import draw_masks
 
     build, sites = DROPOUT_MODELS[family]
     model = build()
@@ -299,7 +301,7 @@ def test_fed_dropout_masks_give_eager_pytorchs_loss_and_gradients(kind, family, 
             loss, grads = engine.gradients(x, y)
             grads = {name: torch.from_numpy(g) for name, g in grads.items()}
         else:
-            with compat.ortmodule_scope(engine.session, engine.runs, engine.graph_fixes):
+            with ortmodule_patches.ortmodule_scope(engine.session, engine.runs, engine.graph_fixes):
                 engine.module.train()
                 out = engine.module(x, *masks, y)
                 out.backward()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.accel.rewrites import (
+from ortflow.accel.graph.rewrites import (
     DropoutMask,
     add_dropout_masks,
     attention_dropout_in_training_mode,

@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from ortflow.accel import extensions
+from ortflow.accel.compat import extensions
 from tests.conftest import REPO
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ortflow import machine
-from ortflow.accel import aten_gemm  # noqa: F401  (registers ortflow::gemm_bf16)
+from ortflow.accel.graph import aten_gemm  # noqa: F401  (registers ortflow::gemm_bf16)
 from ortflow.run.runner import train
 from ortflow.validate import problems
 from tests.conftest import TINY, make_cfg

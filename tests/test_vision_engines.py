@@ -353,9 +353,9 @@ def vgg() -> nn.Module:
 def test_aten_convolutions_give_eagers_loss_and_gradients_in_artifacts(build, tmp_path):
     """accel.aten_conv: every convolution an ATen node run by torch's kernels; the loss and every gradient are
     eager PyTorch's (closer than ORT's own Conv, which sums in another order), and those of the native path."""
-    from ortflow.accel.engine import WithLoss
     from ortflow.step.batch import Layout
     from ortflow.step.loss import CrossEntropy
+    from ortflow.step.with_loss import WithLoss
 
     x, y = images(1)[0]
     torch.manual_seed(0)
@@ -446,11 +446,11 @@ class ConvBnDropout(nn.Module):
 def test_batchnorm_statistics_see_the_fed_dropout_masks(kind, tmp_path):
     """With rewrite_dropout the engine draws the masks (seeded from torch's RNG); eager PyTorch fed the same masks
     gives the engine's loss and running statistics."""
-    from ortflow.accel import fed_dropout
-    from ortflow.accel.engine import WithLoss
-    from ortflow.accel.rewrites import draw_masks
+    from ortflow.accel.graph import fed_dropout
+    from ortflow.accel.graph.rewrites import draw_masks
     from ortflow.step.batch import Layout
     from ortflow.step.loss import CrossEntropy
+    from ortflow.step.with_loss import WithLoss
 
     torch.manual_seed(0)
     model = ConvBnDropout()

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ortflow.accel.engine import EngineContext, WithLoss
+from ortflow.accel.engine import EngineContext
 from ortflow.step.batch import Layout
 from ortflow.step.loss import EvalResult, Loss
+from ortflow.step.with_loss import WithLoss
 
 NAME = "tiny"
 

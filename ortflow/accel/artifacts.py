@@ -21,10 +21,12 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import aten_nodes, batchnorm, compat, export_warnings, failures, symbolics
+from ortflow.accel import failures
+from ortflow.accel.compat import export_warnings, ort, torch_onnx, versions
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
+from ortflow.accel.graph import aten_nodes, batchnorm, symbolics
+from ortflow.accel.graph.rewrites import MaskSampler, Rewrites, prepare_training_graph
 from ortflow.accel.none import debug_problems
-from ortflow.accel.rewrites import MaskSampler, Rewrites, prepare_training_graph
 from ortflow.config import BF16, OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
@@ -48,7 +50,7 @@ class Settings:
 
     _target_: str = "ortflow.accel.artifacts.build"
     # Below 14 ORT's training graph cannot be built; at 17 ORT's gradient builder breaks on LayerNormalization.
-    opset: int = ranged(compat.MAX_ARTIFACTS_OPSET, Interval(ge=MIN_OPSET, le=compat.MAX_ARTIFACTS_OPSET))
+    opset: int = ranged(versions.MAX_ARTIFACTS_OPSET, Interval(ge=MIN_OPSET, le=versions.MAX_ARTIFACTS_OPSET))
     intra_op_threads: int | None = ranged(
         None, Ge(1)
     )  # ORT's intra-op threads; null = ORT's default (one per physical core)
@@ -62,12 +64,12 @@ class Settings:
     # Dropout -> x * mask, the masks fed as graph inputs, drawn each step by a fast generator seeded from torch's RNG
     # (so from the run's seed, and resumed exactly): ORT's CPU Dropout draws its random numbers slowly, on one thread.
     rewrite_dropout: bool = True
-    # Convolutions run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_conv.py), not ORT's own CPU
+    # Convolutions run by torch's kernels inside ORT's graphs (ATen nodes; accel/graph/aten_conv.py), not ORT's own CPU
     # Conv/ConvGrad: a VGG-style CNN trained ~1.2x faster in both ORT engines (README, Performance). Transposed
     # convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-waiting is then off whatever
     # allow_spinning says: spinning ORT threads would compete with torch's.
     aten_conv: bool = True
-    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_layer_norm.py). null: on with
+    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/graph/aten_layer_norm.py). null: on with
     # trainer.precision=bf16-mixed (torch's kernels already run in the graph and ORT's single-threaded
     # LayerNormalizationGrad is then the largest cost left), off in fp32, where it was slower at d_model 128 (-10 to
     # -15%), no faster at 512, and turns spin-waiting off; on, it lowers artifacts' peak memory (-410 MB at d_model
@@ -197,7 +199,7 @@ class ArtifactsEngine:
 
     def __init__(self, ctx: EngineContext, accel: Settings) -> None:
         """ctx.model's current weights become the initial weights; ctx.example's shape is the one ORT trains on."""
-        compat.prepare()
+        versions.prepare()
         import onnxruntime
         from onnxruntime.training import artifacts
 
@@ -220,7 +222,7 @@ class ArtifactsEngine:
                 "through torch, backward included) or accel=none."
             )
         # BatchNorm running statistics: ORT writes each batch's statistics into its state's tensors, ortflow applies
-        # torch's update to the torch buffers after every training forward (accel/batchnorm.py).
+        # torch's update to the torch buffers after every training forward (accel/graph/batchnorm.py).
         self.norms = batchnorm.BatchNorms.find(model, lambda: self.layout.call(model, example_inputs), NAME)
         self.batch_statistics = batchnorm.BatchStatistics.of(model)
         self.accumulate = ctx.accumulate
@@ -245,15 +247,15 @@ class ArtifactsEngine:
                 accel.opset, accel.aten_conv, accel.layer_norm_by_torch(ctx.precision), ctx.precision == BF16
             ),
         ):
-            compat.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
+            torch_onnx.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
         forward = onnx.load(str(forward_path))
         # Convolutions (accel.aten_conv, transposed ones always), LayerNorms (accel.aten_layer_norm), upsampling
         # (always: ORT has no CPU ResizeGrad) and, in bf16, matrix multiplies as ATen nodes: torch runs them inside
-        # ORT (accel/aten_nodes.py).
+        # ORT (accel/graph/aten_nodes.py).
         torch_nodes = aten_nodes.count_all(forward)
         self.aten_nodes = sum(torch_nodes.values())
         if self.aten_nodes:
-            compat.load_aten_executor()
+            ort.load_aten_executor()
             aten_nodes.register_gradients()
             trainable = {_PREFIX + n for n, p in model.named_parameters() if p.requires_grad}
             aten_nodes.set_gradient_masks(forward, trainable)
@@ -270,7 +272,7 @@ class ArtifactsEngine:
             raise OrtflowError(f"accel=artifacts: the exported graph has no initializer {missing[0]}.")
         with (
             terminal.native_stderr("onnxruntime"),
-            compat.quiet_root_logger(),
+            ort.quiet_root_logger(),
             _cannot_train("build its training graph", "generate_artifacts", model),
         ):
             artifacts.generate_artifacts(
@@ -299,7 +301,7 @@ class ArtifactsEngine:
         # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.
         self.intra_op_threads = accel.intra_op_threads
         self.allow_spinning = accel.allow_spinning and not self.aten_nodes
-        compat.apply_session_settings(self.options, self.intra_op_threads, self.allow_spinning)
+        ort.apply_session_settings(self.options, self.intra_op_threads, self.allow_spinning)
         with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs", model=model):
             self._open(onnx_dir / "checkpoint", optim.lr)
         self.trainable = [_PREFIX + n for n, p in params.items() if p.requires_grad]
@@ -316,17 +318,17 @@ class ArtifactsEngine:
         self.state = api.CheckpointState.load_checkpoint(str(checkpoint))
         # Profiling (ortflow-bench --profile): ORT would write the training and eval sessions' profiles into one
         # file, so the eval session (unused there) is left out and the optimizer's session gets a file of its own.
-        eval_model = None if compat.profiling() else str(self.onnx_dir / "eval_model.onnx")
+        eval_model = None if ort.profiling() else str(self.onnx_dir / "eval_model.onnx")
         self.module = api.Module(
             str(self.onnx_dir / "training_model.onnx"), self.state, eval_model, session_options=self.options
         )
         optimizer_options = None
-        if compat.profiling():
+        if ort.profiling():
             optimizer_options = onnxruntime.SessionOptions()
-            compat.apply_session_settings(
+            ort.apply_session_settings(
                 optimizer_options, self.intra_op_threads, self.allow_spinning, "ort_profile_optimizer"
             )
-        self.optimizer = compat.ort_optimizer(self.onnx_dir / "optimizer_model.onnx", self.module, optimizer_options)
+        self.optimizer = ort.ort_optimizer(self.onnx_dir / "optimizer_model.onnx", self.module, optimizer_options)
         self.optimizer.set_learning_rate(lr)
         self._write_running_statistics()  # the torch buffers own them (a resumed run: the checkpoint's)
 
@@ -342,7 +344,7 @@ class ArtifactsEngine:
 
     def _training_forward(self, feeds: list[np.ndarray]) -> float:
         """One call of the training graph (forward and backward, gradients added up); with BatchNorm, torch's update
-        of the running statistics from the batch statistics ORT writes into its state (accel/batchnorm.py)."""
+        of the running statistics from the batch statistics ORT writes into its state (accel/graph/batchnorm.py)."""
         if self.norms is None:
             loss, _ = self.module(*feeds)
             return float(loss)

@@ -41,7 +41,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 
 from ortflow import distributed, machine
-from ortflow.accel import artifacts, compat, none, ortmodule
+from ortflow.accel import artifacts, none, ortmodule
+from ortflow.accel.compat import versions
 from ortflow.accel.engine import EngineContext
 from ortflow.config import AUTO, BF16, FP32
 from ortflow.errors import ConfigError, OrtflowError
@@ -214,7 +215,7 @@ def cache_key(ctx: EngineContext, names: list[str], precisions: list[str], setti
         "candidates": names,
         "precisions": precisions,
         "settings": {k: str(v) for k, v in sorted(settings.items()) if v is not None},
-        "versions": compat.installed_versions(),
+        "versions": versions.installed_versions(),
         "machine": machine.describe(),
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]

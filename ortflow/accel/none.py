@@ -11,11 +11,12 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel.engine import EngineContext, WithLoss
+from ortflow.accel.engine import EngineContext
 from ortflow.config import BF16, OptimConfig
 from ortflow.step.batch import Inputs, Layout
 from ortflow.step.loss import EvalResult, Loss
 from ortflow.step.optim import build_torch_optimizer
+from ortflow.step.with_loss import WithLoss
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ are allowed, logged and recorded.
 """
 
 import contextlib
-import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -22,11 +21,14 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import batchnorm, compat, failures, fed_dropout
-from ortflow.accel.engine import EngineContext, WithLoss, pad_batch, pad_eval_batch
-from ortflow.accel.extensions import ensure_built
+from ortflow.accel import failures
+from ortflow.accel.compat import ortmodule_patches
+from ortflow.accel.compat.extensions import ensure_built
+from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
+from ortflow.accel.graph import batchnorm, fed_dropout, ortmodule_export
+from ortflow.accel.graph.ortmodule_export import ExportSettings
+from ortflow.accel.graph.rewrites import DropoutMask, MaskSampler, Rewrites, draw_masks
 from ortflow.accel.none import EagerEngine
-from ortflow.accel.rewrites import DropoutMask, MaskSampler, Rewrites, draw_masks
 from ortflow.config import BF16, DebugConfig
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, is_allocation_failure
@@ -34,6 +36,7 @@ from ortflow.ranges import ranged
 from ortflow.report import terminal
 from ortflow.step.batch import Inputs, Layout
 from ortflow.step.loss import EvalResult
+from ortflow.step.with_loss import WithLoss
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +71,12 @@ class Settings:
     # x * mask, the masks extra inputs of the module ORTModule runs, drawn each step by a fast generator seeded from
     # torch's per-step seed: ORT's CPU Dropout is slow.
     rewrite_dropout: bool = True
-    # Convolutions run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_conv.py), not ORT's own CPU
+    # Convolutions run by torch's kernels inside ORT's graphs (ATen nodes; accel/graph/aten_conv.py), not ORT's own CPU
     # Conv/ConvGrad: a VGG-style CNN trained ~1.2x faster in both ORT engines (README, Performance). Transposed
     # convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-waiting is then off whatever
     # allow_spinning says: spinning ORT threads would compete with torch's.
     aten_conv: bool = True
-    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/aten_layer_norm.py). null: on with
+    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/graph/aten_layer_norm.py). null: on with
     # trainer.precision=bf16-mixed (torch's kernels already run in the graph and ORT's single-threaded
     # LayerNormalizationGrad is then the largest cost left), off in fp32, where it was slower at d_model 128 (-10 to
     # -15%), no faster at 512, and turns spin-waiting off; on, it lowers artifacts' peak memory (-410 MB at d_model
@@ -138,25 +141,27 @@ class ORTModuleEngine:
     def __init__(self, ctx: EngineContext, settings: Settings) -> None:
         ensure_built()
         self.fallback = settings.fallback
-        session = compat.SessionSettings(
-            settings.intra_op_threads,
-            settings.allow_spinning,
+        graph = ExportSettings(
             settings.rewrites(),
             aten_conv=settings.aten_conv,
             aten_layer_norm=settings.layer_norm_by_torch(ctx.precision),
             bf16=ctx.precision == BF16,
         )
         # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.
-        self.session = dataclasses.replace(session, allow_spinning=session.allow_spinning and not session.torch_kernels)
-        self.runs = compat.OrtRunCounter()  # this engine's own ORT runs: the proof that ORT executed
+        spinning = settings.allow_spinning and not graph.torch_kernels
+        self.session = ortmodule_patches.SessionSettings(settings.intra_op_threads, spinning, graph)
+        self.runs = ortmodule_patches.OrtRunCounter()  # this engine's own ORT runs: the proof that ORT executed
         self.graph_fixes: dict[str, int] = {}  # ortflow's fixes applied to the exported graphs
-        with compat.ortmodule_construction(fallback_allowed=settings.fallback == Fallback.warn, opset=settings.opset):
+        ortmodule_patches.patch_ortmodule(ortmodule_export.HOOKS)
+        with ortmodule_patches.ortmodule_construction(
+            fallback_allowed=settings.fallback == Fallback.warn, opset=settings.opset
+        ):
             from onnxruntime.training.ortmodule import ORTModule
 
             with_loss: nn.Module = WithLoss(ctx.model, ctx.loss, ctx.layout)
             example = (*ctx.layout.flatten(ctx.example[0]), ctx.example[1])
             # BatchNorm running statistics: ORT writes each batch's statistics into the torch buffers, ortflow
-            # applies torch's update around every training forward (accel/batchnorm.py).
+            # applies torch's update around every training forward (accel/graph/batchnorm.py).
             self.norms = batchnorm.BatchNorms.find(ctx.model, lambda: with_loss(*example), NAME)
             self.batch_statistics = batchnorm.BatchStatistics.of(ctx.model)
             self.masks: list[DropoutMask] = []
@@ -194,10 +199,16 @@ class ORTModuleEngine:
         try:
             with (
                 terminal.native_stderr("onnxruntime") if first else contextlib.nullcontext(),
-                compat.ortmodule_scope(self.session, self.runs, self.graph_fixes),
+                ortmodule_patches.ortmodule_scope(self.session, self.runs, self.graph_fixes),
             ):
                 return step(inputs, targets)
-        except (compat.ortmodule_fallback_error(), RuntimeError, ValueError, AssertionError, TypeError) as err:
+        except (
+            ortmodule_patches.ortmodule_fallback_error(),
+            RuntimeError,
+            ValueError,
+            AssertionError,
+            TypeError,
+        ) as err:
             if isinstance(err, OrtflowError) or is_allocation_failure(err):
                 raise
             stage = f"export, build and run its first {mode} step" if first else f"run a {mode} step"

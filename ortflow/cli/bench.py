@@ -458,7 +458,7 @@ def run_bench(args: argparse.Namespace, record: dict[str, Any] | None, console: 
             record.setdefault("bf16_matmul_peak_gflops", bf16_matmul_peak_gflops())
             console.print(f"bf16 matmul peak: torch {record['bf16_matmul_peak_gflops']:.0f} GFLOP/s")
     if any(m.mode.startswith("ortmodule") for m in todo):
-        from ortflow.accel.extensions import ensure_built
+        from ortflow.accel.compat.extensions import ensure_built
 
         ensure_built()  # the one-time build is not part of any measurement
     write_record(args.out, record)
@@ -540,7 +540,7 @@ def check_configs(args: argparse.Namespace) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from ortflow.config import register_configs
+    from ortflow.api import register_configs
     from ortflow.errors import OrtflowError
     from ortflow.paths import compose_config
     from ortflow.validate import validate

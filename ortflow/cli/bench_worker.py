@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from ortflow.accel import compat
+from ortflow.accel.compat import ort
 from ortflow.accel.engine import Engine
+from ortflow.api import register_configs
 from ortflow.cli.bench import MODES, mode_config
-from ortflow.config import register_configs
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.model.freeze import ParameterCount
@@ -261,7 +261,7 @@ def profile(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     modes, ORT's own profiler's (every session the engine creates writes a trace, read back once it has ended)."""
     ort_dir = scratch / "ort-profiles"
     ort_dir.mkdir()
-    os.environ[compat.ORT_PROFILE_DIR] = str(ort_dir)
+    os.environ[ort.ORT_PROFILE_DIR] = str(ort_dir)
     s = _start(args, passes=1, scratch=scratch, max_steps=PROFILE_MAX_STEPS)
     engine, steps = s["engine"], s["steps"]
     timed = list(itertools.islice(s["batches"], steps))

@@ -26,8 +26,9 @@ from rich.table import Table
 from torch import nn
 
 from ortflow import accel
+from ortflow.api import register_configs
 from ortflow.cli import parity
-from ortflow.config import BF16, FP32, register_configs
+from ortflow.config import BF16, FP32
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.model.probe import training_forward_probe

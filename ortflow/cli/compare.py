@@ -12,9 +12,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ortflow.config import FINAL_METRICS
+from ortflow.files import flatten
 from ortflow.report.plots import plot_runs
-from ortflow.run.metadata import flatten
-from ortflow.run.trainer import FINAL_METRICS
 
 HEAD = ("status", "executed_by", "steps")
 _ABSENT = "<absent>"

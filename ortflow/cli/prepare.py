@@ -26,7 +26,7 @@ def _compose(overrides: list[str]):
     from omegaconf.errors import OmegaConfBaseException
 
     from ortflow import ranges
-    from ortflow.config import register_configs
+    from ortflow.api import register_configs
     from ortflow.errors import ConfigError, collect
     from ortflow.paths import compose_config
 

@@ -21,13 +21,13 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record as record_errors
 
 from ortflow import distributed, preflight
-from ortflow.config import register_configs
+from ortflow.api import register_configs
 from ortflow.errors import OrtflowError
+from ortflow.files import read_record
 from ortflow.paths import config_dir
 from ortflow.report.summary import print_summary
 from ortflow.run import launch
 from ortflow.run.guard import claim, owns_its_dir, release_held
-from ortflow.run.metadata import read_record
 from ortflow.run.signals import Interrupted, Preempted
 from ortflow.validate import validate
 

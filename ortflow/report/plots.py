@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from ortflow.run.metadata import flatten, read_record
+from ortflow.files import flatten, read_record
 
 # matplotlib's tab10 palette without its grey (the axes' text is grey), one colour per run; a test finds each run's
 # curve by its colour

@@ -9,8 +9,8 @@ from typing import Any
 
 from rich.table import Table
 
+from ortflow.files import read_record
 from ortflow.report.terminal import console
-from ortflow.run.metadata import read_record
 
 STATUS_STYLE = {"completed": "green", "preempted": "yellow", "interrupted": "yellow", "failed": "red"}
 

@@ -11,8 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from ortflow.files import read_record
 from ortflow.report.plots import plot_runs
-from ortflow.run.metadata import read_record
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ortflow.accel import export_warnings, symbolics
+from ortflow.accel.compat import export_warnings
+from ortflow.accel.graph import symbolics
 from ortflow.data import Data
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.step.batch import Layout, layout_of, split_batch

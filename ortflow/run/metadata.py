@@ -1,7 +1,6 @@
 """Run metadata: what ran, where, from which code, and how it ended. Written to <run dir>/run.json at the start
 (status "running"), and again when the run completes or fails, so even a crashed run leaves a record."""
 
-import json
 import os
 import platform
 import subprocess
@@ -73,12 +72,12 @@ def now() -> str:
 def start_record(config: dict[str, Any], overrides: list[str], seed: int) -> dict[str, Any]:
     """Everything known before training starts (and, when a run goes ahead on versions outside what the ORT
     engines were tested with, which ones)."""
-    from ortflow.accel import compat_cpp, compat_torch
-    from ortflow.accel.compat import untested_versions
+    from ortflow.accel.compat import cpp_patches, torch_patches
+    from ortflow.accel.compat.versions import untested_versions
 
     untested = untested_versions()
-    # The compatibility patches the ORT engines apply on this torch (ortflow/accel/compat_torch.py, compat_cpp.py).
-    patches = [patch.name for patch in [*compat_torch.needed(), *compat_cpp.needed()]]
+    # The compatibility patches the ORT engines apply on this torch (accel/compat/torch_patches.py, cpp_patches.py).
+    patches = [patch.name for patch in [*torch_patches.needed(), *cpp_patches.needed()]]
     return ({"untested_versions": untested} if untested else {}) | {
         "status": "running",
         "started": now(),
@@ -92,21 +91,3 @@ def start_record(config: dict[str, Any], overrides: list[str], seed: int) -> dic
         "torch_patches": patches,
         "config": config,
     }
-
-
-def read_record(run_dir: Path) -> dict[str, Any] | None:
-    """The run.json in `run_dir`, or None when there is none or it cannot be read."""
-    try:
-        return json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}"""
-    if not isinstance(node, dict):
-        return {prefix: node}
-    flat: dict[str, Any] = {}
-    for key, value in node.items():
-        flat |= flatten(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}")
-    return flat

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ortflow.errors import CheckpointError, ConfigError, DataError, RunDirError
-from ortflow.run.metadata import read_record
+from ortflow.files import read_record
 
 WEIGHTS = ("best", "final")
 TEXT_BUILDER = "ortflow.data.text.build_text_data"

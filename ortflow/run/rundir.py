@@ -18,9 +18,9 @@ from ortflow.accel.engine import Engine
 from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
 from ortflow.errors import CheckpointError, RunDirError
-from ortflow.files import write_json_atomic
+from ortflow.files import flatten, read_record, write_json_atomic
 from ortflow.run import checkpoint
-from ortflow.run.metadata import flatten, now, read_record, start_record
+from ortflow.run.metadata import now, start_record
 from ortflow.run.trainer import LoopState
 
 log = logging.getLogger(__name__)

@@ -23,10 +23,6 @@ from ortflow.step.scheduler import lr_at
 
 log = logging.getLogger(__name__)
 
-# The final metrics every run reports (run.json "metrics"), besides its loss's eval metrics (eval/accuracy for
-# classification, eval/mae for regression: ortflow/loss.py); a sweep job can return any of them as its objective.
-FINAL_METRICS = ("train/loss", "eval/loss", "perf/samples_per_sec")
-
 
 @dataclass
 class LoopState:

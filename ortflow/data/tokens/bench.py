@@ -117,7 +117,7 @@ def bench_rss(sizes_mb: list[int], steps: int) -> list[dict]:
 
 def bench_loader(source: str, accel: str, steps: int, overrides: list[str]) -> dict:
     """Median time to fetch a batch against the median optimizer step of +recipe=transformer (same process)."""
-    from ortflow.config import register_configs
+    from ortflow.api import register_configs
     from ortflow.paths import compose_config
     from ortflow.run.runner import build_data, build_engine, build_model
     from ortflow.run.seeding import seed_everything

@@ -15,6 +15,7 @@ lock per key makes concurrent prepares (two commands, DDP ranks) wait for one an
 import errno
 import fcntl
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -31,7 +32,6 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-import ortflow
 from ortflow.data.tokens import encode, sources
 from ortflow.data.tokens.store import FORMAT, MANIFEST, TOKENIZER_FILE, VERSION, TokenArray, TokenStore, fingerprint
 from ortflow.data.tokens.tokenizer import BYTES, ByteTokenizer, HFTokenizer, Tokenizer, choose, token_dtype, train_bpe
@@ -315,7 +315,7 @@ def _manifest(
     manifest = {
         "format": FORMAT,
         "version": VERSION,
-        "ortflow_version": ortflow.__version__,
+        "ortflow_version": importlib.metadata.version("ortflow"),
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "cache_key": key,
         "source": {

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ortflow.accel.engine import WithLoss
-from ortflow.accel.rewrites import DropoutMask
+from ortflow.accel.graph.rewrites import DropoutMask
 from ortflow.errors import OrtflowError
 from ortflow.model.probe import training_forward_probe
+from ortflow.step.with_loss import WithLoss
 
 _dropout = torch.nn.functional.dropout
 _attention = torch.nn.functional.scaled_dot_product_attention

@@ -1,9 +1,9 @@
 """ORTModule's C++ extensions: built once per machine, installed into each Python environment that needs them.
 
-`python -m ortflow.accel.extensions` builds them if missing (the README's set-up runs it); the ortmodule engine
+`python -m ortflow.accel.compat.extensions` builds them if missing (the README's set-up runs it); the ortmodule engine
 calls `ensure_built()` too, so an ortflow installed some other way still works on first use.
 
-ortflow copies ORT's sources out of the package, patches the copy for the installed torch (compat_cpp.py) and
+ortflow copies ORT's sources out of the package, patches the copy for the installed torch (cpp_patches.py) and
 builds that: each extension as one translation unit without debug info (extension_setup.py), the extensions side
 by side on the machine's cores, the compiler's output in a log file. The libraries are kept in a per-machine cache
 (`$ORTFLOW_CACHE_DIR`, else `$XDG_CACHE_HOME/ortflow`, else `~/.cache/ortflow`; then `extensions/<key>/`), keyed by
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from ortflow.accel import compat_cpp
+from ortflow.accel.compat import cpp_patches
 from ortflow.errors import OrtflowError
 
 log = logging.getLogger(__name__)
 
-RECORD = ".ortflow-build.json"  # {"torch": version built against, "patches": [compat_cpp patch names], "key": ...}
+RECORD = ".ortflow-build.json"  # {"torch": version built against, "patches": [cpp_patches names], "key": ...}
 LOG = "build.log"
 # Bumped when the way ortflow builds the extensions changes (flags, unity sources): a new cache key.
 BUILD_RECIPE = 2
@@ -76,7 +76,7 @@ def build_record(directory: Path | None = None) -> dict | None:
 
 
 def _wanted() -> dict:
-    return {"torch": torch.__version__, "patches": [patch.name for patch in compat_cpp.needed()]}
+    return {"torch": torch.__version__, "patches": [patch.name for patch in cpp_patches.needed()]}
 
 
 def is_built(directory: Path | None = None) -> bool:
@@ -88,7 +88,7 @@ def is_built(directory: Path | None = None) -> bool:
         return False
     record = build_record(directory)
     if record is None:
-        return not compat_cpp.needed()
+        return not cpp_patches.needed()
     return {key: record.get(key) for key in ("torch", "patches")} == _wanted()
 
 
@@ -149,7 +149,7 @@ def _compile(cpu: Path, work: Path, log_file: Path) -> list[Path]:
         for setup in sorted(cpu.glob("*/setup.py")):
             folder = work / f"build-{setup.parent.name}"
             folder.mkdir()
-            command = [sys.executable, "-m", "ortflow.accel.extension_setup", str(setup), "build"]
+            command = [sys.executable, "-m", "ortflow.accel.compat.extension_setup", str(setup), "build"]
             output.write(f"$ {' '.join(command)}  (in {folder})\n")
             output.flush()
             process = subprocess.Popen(command, cwd=folder, env=env, stdout=output, stderr=subprocess.STDOUT)
@@ -246,7 +246,7 @@ def ensure_built() -> bool:
         with tempfile.TemporaryDirectory(prefix="ortflow-sources-") as work:
             cpu = Path(work) / "cpu"
             shutil.copytree(directory / "cpu", cpu, ignore=shutil.ignore_patterns("__pycache__"))
-            patches = compat_cpp.apply(cpu)
+            patches = cpp_patches.apply(cpu)
             cached = cache_root() / build_key(cpu)
             seconds = 0.0
             if not ((cached / RECORD).is_file() and _libraries(cached)):

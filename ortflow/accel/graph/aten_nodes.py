@@ -1,6 +1,6 @@
 """The one registry of the `org.pytorch.aten::ATen` operators ortflow exports (operators torch runs inside ORT's
-graphs: convolutions, accel/aten_conv.py; LayerNorm, accel/aten_layer_norm.py; bf16 matrix multiplies,
-accel/aten_gemm.py), and what ORT's graphs need around them.
+graphs: convolutions, accel/graph/aten_conv.py; LayerNorm, accel/graph/aten_layer_norm.py; bf16 matrix multiplies,
+accel/graph/aten_gemm.py), and what ORT's graphs need around them.
 
 Each is behind a setting with an ORT-native path (accel.aten_conv, accel.aten_layer_norm, trainer.precision=fp32), so
 a torch-free export stays possible. A graph holding any of them runs only where torch and the ATen executor extension
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from ortflow.accel import compat
+from ortflow.accel.compat import ort
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def register_gradients() -> None:
     is built, the artifacts engine before generate_artifacts). Imports ORTModule (the torch patches first)."""
     for op in OPS.values():
         if op.gradient is not None:
-            compat.register_ort_gradient(op.forward, op.overload, op.gradient)
+            ort.register_ort_gradient(op.forward, op.overload, op.gradient)
 
 
 def operator(node: onnx.NodeProto) -> str | None:

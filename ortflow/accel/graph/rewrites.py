@@ -14,7 +14,9 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.accel.batchnorm import batch_statistics_in_place
+from ortflow.accel.graph import decompositions
+from ortflow.accel.graph.batchnorm import batch_statistics_in_place
+from ortflow.accel.graph.onnx_values import value_types
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +65,6 @@ def _consumers(graph: onnx.GraphProto) -> dict[str, int]:
     for out in graph.output:
         used[out.name] = used.get(out.name, 0) + 1
     return used
-
-
-def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    """Every value's inferred type (ONNX shape inference; exported training graphs have static shapes)."""
-    inferred = onnx.shape_inference.infer_shapes(model)
-    graph = inferred.graph
-    return {v.name: v.type for v in (*graph.input, *graph.value_info, *graph.output)}
 
 
 def _static_shape(type_: onnx.TypeProto | None) -> tuple[int, ...] | None:
@@ -146,7 +141,7 @@ def decompose_instance_norms(model: onnx.ModelProto) -> int:
         for attr in node.attribute
         if attr.name == "value"
     }
-    types = _value_types(model)
+    types = value_types(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     nodes: list[onnx.NodeProto] = []
     changed = 0
@@ -254,7 +249,7 @@ def relu_to_mask_mul(model: onnx.ModelProto) -> int:
     computes as a parallel Mul instead of its single-threaded CPU ReluGrad. Only float32 Relus are rewritten.
     """
     graph = model.graph
-    types = _value_types(model)
+    types = value_types(model)
     nodes: list[onnx.NodeProto] = []
     changed = 0
     for node in graph.node:
@@ -339,7 +334,7 @@ def dropout_to_mask_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray] 
     """
     graph = model.graph
     constants = _constants(graph)
-    types = _value_types(model)
+    types = value_types(model)
     used = _consumers(graph)
     dropouts = [n.input[0] for n in graph.node if n.op_type == "Dropout"]
     shapes = {name: _static_shape(types.get(name)) for name in dropouts}
@@ -376,8 +371,6 @@ def prepare_training_graph(
     """All fixes and the rewrites asked for, on a forward graph about to be differentiated by ORT (`feeds`: example
     inputs, to find shapes shape inference cannot). Returns how many nodes each changed (only those that changed
     something) and the dropout masks the engine must feed."""
-    from ortflow.accel import decompositions  # it imports this module's helpers
-
     fixes = {
         "attention_dropout_in_training_mode": attention_dropout_in_training_mode(model),
         "batchnorm_batch_statistics_in_place": batch_statistics_in_place(model),

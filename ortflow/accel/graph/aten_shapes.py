@@ -15,7 +15,7 @@ convolution formula on symbolic dims) the gradient is reduced as it must be.
 
 from typing import Any
 
-from ortflow.accel import aten_conv, aten_gemm
+from ortflow.accel.graph import aten_conv, aten_gemm
 
 
 def _values(inference: Any, node: Any, index: int) -> list[int] | None:

@@ -40,12 +40,12 @@ EXPECTED: tuple[tuple[type[Warning], str, str], ...] = (
     (
         UserWarning,
         r"ONNX Preprocess - Removing mutation from node aten::add_ on block input: '[\w.]*num_batches_tracked'",
-        "BatchNorm's counter is updated by ortflow around each step (accel/batchnorm.py), not inside the graph",
+        "BatchNorm's counter is updated by ortflow around each step (accel/graph/batchnorm.py), not inside the graph",
     ),
     (
         UserWarning,
         r"ONNX export mode is set to TrainingMode\.EVAL, but operator 'batch_norm' is set to train=True",
-        "ORTModule exports BatchNorm in training mode on purpose; ortflow keeps its statistics (accel/batchnorm.py)",
+        "ORTModule exports BatchNorm in training mode on purpose; ortflow keeps its statistics (graph/batchnorm.py)",
     ),
     (
         UserWarning,
@@ -66,7 +66,7 @@ def expected() -> Iterator[None]:
         log.info(
             "the ONNX exporter's expected warnings are silenced during ortflow's exports (tracer constants at "
             "static shapes, the legacy TorchScript exporter ORT needs, training-mode export; see "
-            "ortflow/accel/export_warnings.py)"
+            "ortflow/accel/compat/export_warnings.py)"
         )
     with warnings.catch_warnings():
         for category, message, _ in EXPECTED:

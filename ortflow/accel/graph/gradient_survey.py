@@ -2,7 +2,7 @@
 torch.nn.functional layers, each run alone as a one-op graph through `generate_artifacts` and one training step of
 `onnxruntime.training.api` (so a gradient builder that exists but has no CPU kernel fails too).
 
-    python -m ortflow.accel.gradient_survey [--opset 16] [--markdown]
+    python -m ortflow.accel.graph.gradient_survey [--opset 16] [--markdown]
 
 How: each layer is exported (TorchScript exporter, training mode, the opset the artifacts engine uses); the value of
 every tensor in its graph is computed by ORT's inference session; each node then becomes a graph of its own whose
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from ortflow.accel import compat, export_warnings
+from ortflow.accel.compat import export_warnings, versions
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ def _first_line(err: Exception) -> str:
 
 def survey(opset: int = 16, layers: dict | None = None) -> dict[str, OpResult]:
     """ONNX op -> whether ORT trains it, and the layers that emitted it."""
-    compat.prepare()
+    versions.prepare()
     import onnxruntime
 
     onnxruntime.set_default_logger_severity(4)

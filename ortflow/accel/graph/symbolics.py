@@ -1,11 +1,11 @@
 """ONNX export symbolics ortflow uses while an ORT engine exports a model (`ort_export`).
 
 - `aten::_convolution`, `aten::_convolution_mode`: convolutions as ATen nodes run by torch's kernels
-  (accel/aten_conv.py): transposed ones always, all with `accel.aten_conv`.
+  (accel/graph/aten_conv.py): transposed ones always, all with `accel.aten_conv`.
 - `aten::layer_norm`: LayerNorm as an ATen node run by torch's kernels with `accel.aten_layer_norm`
-  (accel/aten_layer_norm.py).
+  (accel/graph/aten_layer_norm.py).
 - `aten::linear`, `aten::matmul`, `aten::bmm`, `aten::addmm`: bf16 GEMMs run by torch's kernels with
-  trainer.precision=bf16-mixed (accel/aten_gemm.py).
+  trainer.precision=bf16-mixed (accel/graph/aten_gemm.py).
 - `aten::batch_norm` without running statistics (BatchNorm(track_running_stats=False)) and `aten::instance_norm`:
   torch's own need the batch and channel sizes as constants ("batch_size and channel_size must be non-None",
   "ONNX export of instance_norm for unknown channel size"), which ORTModule's export, every input dimension
@@ -27,14 +27,17 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel import aten_conv, aten_gemm, aten_layer_norm, aten_upsample, compat
+from ortflow.accel.compat import ort, ortmodule_patches, torch_onnx
+from ortflow.accel.graph import aten_conv, aten_gemm, aten_layer_norm, aten_upsample
 
 
 @dataclass(frozen=True)
 class _Export:
     aten_conv: bool  # every convolution as an ATen node (transposed ones always)
     aten_layer_norm: bool = False  # every LayerNorm as an ATen node
-    bf16: bool = False  # matrix multiplies (and the ATen convolutions) computed in bf16 by torch (accel/aten_gemm.py)
+    bf16: bool = (
+        False  # matrix multiplies (and the ATen convolutions) computed in bf16 by torch (accel/graph/aten_gemm.py)
+    )
 
 
 _ACTIVE: contextvars.ContextVar[_Export | None] = contextvars.ContextVar("ortflow_ort_export", default=None)
@@ -43,11 +46,11 @@ _TORCH_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("ortflow_torc
 
 
 def _torch_batch_norm(g, *args):
-    return compat.torch_symbolic("symbolic_opset14", "batch_norm")(g, *args)
+    return torch_onnx.torch_symbolic("symbolic_opset14", "batch_norm")(g, *args)
 
 
 def _torch_instance_norm(g, *args):
-    return compat.torch_symbolic("symbolic_opset9", "instance_norm")(g, *args)
+    return torch_onnx.torch_symbolic("symbolic_opset9", "instance_norm")(g, *args)
 
 
 def batch_norm(g, input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
@@ -109,7 +112,7 @@ def _filled(g, like, value: float, shape: bool = False):
 
 def _convolution(g, *args):
     active = _ACTIVE.get()
-    native = compat.ort_symbolic("::_convolution") or compat.torch_symbolic("symbolic_opset9", "_convolution")
+    native = ort.ort_symbolic("::_convolution") or torch_onnx.torch_symbolic("symbolic_opset9", "_convolution")
     if active is None:
         return native(g, *args)
     return aten_conv.convolution_symbolic(active.aten_conv, native, active.bf16)(g, *args)
@@ -117,7 +120,9 @@ def _convolution(g, *args):
 
 def _convolution_mode(g, *args):
     active = _ACTIVE.get()
-    native = compat.ort_symbolic("::_convolution_mode") or compat.torch_symbolic("symbolic_opset9", "_convolution_mode")
+    native = ort.ort_symbolic("::_convolution_mode") or torch_onnx.torch_symbolic(
+        "symbolic_opset9", "_convolution_mode"
+    )
     if active is None or not active.aten_conv:
         return native(g, *args)
     return aten_conv.convolution_mode_symbolic(native, active.bf16)(g, *args)
@@ -129,17 +134,17 @@ def _layer_norm(g, *args):
     active = _ACTIVE.get()
     if active is not None and active.aten_layer_norm:
         return aten_layer_norm.emit(g, *args)
-    if g.opset in compat.ort_symbolic_opsets() and (ort := compat.ort_symbolic("::layer_norm")) is not None:
-        return ort(g, *args)
-    return compat.torch_symbolic("symbolic_opset17" if g.opset >= 17 else "symbolic_opset9", "layer_norm")(g, *args)
+    if g.opset in ortmodule_patches.ort_symbolic_opsets() and (found := ort.ort_symbolic("::layer_norm")) is not None:
+        return found(g, *args)
+    return torch_onnx.torch_symbolic("symbolic_opset17" if g.opset >= 17 else "symbolic_opset9", "layer_norm")(g, *args)
 
 
 def _gemm(name: str, bf16_symbolic: Callable[[Any], Any]) -> Callable[..., Any]:
-    """The `aten::<name>` dispatcher: accel/aten_gemm.py's bf16 ATen node in a bf16 ORT export, otherwise ORT's
+    """The `aten::<name>` dispatcher: accel/graph/aten_gemm.py's bf16 ATen node in a bf16 ORT export, otherwise ORT's
     symbolic where ORTModule registered one, else torch's own."""
 
     def symbolic(g, *args):
-        native = compat.ort_symbolic(f"::{name}") or compat.torch_symbolic("symbolic_opset9", name)
+        native = ort.ort_symbolic(f"::{name}") or torch_onnx.torch_symbolic("symbolic_opset9", name)
         active = _ACTIVE.get()
         if active is None or not active.bf16:
             return native(g, *args)
@@ -165,7 +170,7 @@ def _own_torch_symbolic(name: str, opset: int):
     """torch's own symbolic for `::name` at `opset` (the newest opset module defining it), or None."""
     for version in range(opset, 8, -1):
         try:
-            return compat.torch_symbolic(f"symbolic_opset{version}", name.removeprefix("::"))
+            return torch_onnx.torch_symbolic(f"symbolic_opset{version}", name.removeprefix("::"))
         except AttributeError:
             continue
     return None
@@ -185,10 +190,10 @@ def torch_only_export(opset: int) -> Iterator[None]:
     """Around ortflow's inference export (export.onnx): torch's own symbolics for the operators ORTModule registers
     its own for (its ATen embedding, ...) and for ortflow's, so the file holds standard ONNX operators only. What is
     registered stays a dispatcher: outside this context it calls what ran before (ORT's, or ortflow's)."""
-    names = {name for name in compat.ort_symbolic_names() if name.startswith("::")}
+    names = {name for name in ort.ort_symbolic_names() if name.startswith("::")}
     for name in names - set(SYMBOLICS):
-        ort = compat.ort_symbolic(name)
-        torch.onnx.register_custom_op_symbolic(name, _torch_only_dispatcher(name, opset, ort), opset)
+        registered = ort.ort_symbolic(name)
+        torch.onnx.register_custom_op_symbolic(name, _torch_only_dispatcher(name, opset, registered), opset)
     for name, symbolic in SYMBOLICS.items():
         torch.onnx.register_custom_op_symbolic(name, _torch_only_dispatcher(name, opset, symbolic), opset)
     token = _TORCH_ONLY.set(True)

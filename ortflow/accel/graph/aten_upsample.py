@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ortflow.accel import aten_nodes
+from ortflow.accel.graph import aten_nodes
 
 DIMS = {
     "upsample_nearest1d": 1,

@@ -2,7 +2,7 @@
 
 Why: ONNX Runtime 1.19 has no bf16 MatMul/Gemm on x86 CPUs, so its graphs run every GEMM in fp32, while torch's
 bf16 GEMMs run about twice as fast as fp32 on CPUs with bf16 units (avx512_bf16, amx_bf16). As with convolutions
-(accel/aten_conv.py), an `org.pytorch.aten::ATen` node hands the operator to torch through the ATen executor.
+(accel/graph/aten_conv.py), an `org.pytorch.aten::ATen` node hands the operator to torch through the ATen executor.
 
 What it computes is what torch's CPU autocast does for these operators: inputs and weights rounded to bf16, the
 product accumulated by torch's bf16 kernel; ORT never sees a bf16 tensor (every node takes and returns fp32), so the
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel import aten_nodes
+from ortflow.accel.graph import aten_nodes
 
 OPERATOR = "ortflow::gemm_bf16"
 BACKWARD = "ortflow::gemm_bf16_backward"

@@ -3,7 +3,7 @@
 Each patch is keyed on the torch versions it is for and carries its reason in one line; `apply()` applies the
 ones the installed torch needs (idempotent) and returns their names (run.json records them). Nothing inside the
 installed onnxruntime package is edited: modules are aliased and functions wrapped at import time.
-The C++ side (the extensions ORTModule loads) is patched in `compat_cpp.py`.
+The C++ side (the extensions ORTModule loads) is patched in `accel/compat/cpp_patches.py`.
 """
 
 import contextlib

@@ -1,6 +1,6 @@
 """Run one of ORT's extension setup.py files as a unity build without debug info (used by extensions.py).
 
-`python -m ortflow.accel.extension_setup SETUP_PY build` runs SETUP_PY with torch's CppExtension wrapped: an
+`python -m ortflow.accel.compat.extension_setup SETUP_PY build` runs SETUP_PY with torch's CppExtension wrapped: an
 extension's sources are compiled as one translation unit (a file that #includes them all, so the torch headers,
 which dominate the compile time, are parsed once) and `-g0` follows the flags Python's build configuration
 brings (`-g`). Everything else (names, include dirs, ORT's own flags) is the setup.py's own.

@@ -2,7 +2,7 @@
 apply to every exported forward graph, `graph_fixes.ops_without_gradient_decomposed`).
 
 ORT registers no gradient builder for these activations ("The gradient builder has not been registered:
-HardSwish"; the full list, measured: docs/ort-gradients.md, `python -m ortflow.accel.gradient_survey`), so
+HardSwish"; the full list, measured: docs/ort-gradients.md, `python -m ortflow.accel.graph.gradient_survey`), so
 torchvision's MobileNetV3 (nn.Hardswish, nn.Hardsigmoid), SELU networks and Mish (Softplus) could not train. Each
 rewrite computes the op's ONNX definition with ops ORT differentiates (Clip, Mul, Add, Exp, Log, Where, Min, Relu),
 so the graph stays torch-free (the artifacts engine needs no torch at training time). Exponentials take
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import onnx
 from onnx import TensorProto, helper
 
-from ortflow.accel.rewrites import _value_types
+from ortflow.accel.graph.onnx_values import value_types
 
 Emit = Callable[[str, list[str], dict], str]  # (op, inputs, attributes) -> output name
 
@@ -82,7 +82,7 @@ def decompose_ops_without_gradient(model: onnx.ModelProto) -> int:
     graph = model.graph
     if not any(node.op_type in OPS and node.domain in ("", "ai.onnx") for node in graph.node):
         return 0
-    types = _value_types(model)
+    types = value_types(model)
     nodes: list[onnx.NodeProto] = []
     changed = 0
     for node in graph.node:

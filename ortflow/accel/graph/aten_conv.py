@@ -4,7 +4,7 @@ Why: ORT's CPU build trains convolutions with its own kernels, about half as fas
 VGG-style CNN trained at 0.44x eager in both ORT engines; ORT's ConvGrad alone was two thirds of a step), and it has
 no ConvTransposeGrad at all ("Could not find an implementation for ConvTransposeGrad"). ORT can hand chosen nodes to
 torch: an `org.pytorch.aten::ATen` node runs a torch operator through the ATen executor extension (built with
-ORTModule's other extensions, accel/extensions.py).
+ORTModule's other extensions, accel/compat/extensions.py).
 
 How (symbolics.py puts it in place only while an ORT engine exports):
 - forward: the exporter's `aten::_convolution` (every nn.Conv*d, F.conv*d and transposed convolution) becomes one
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel import aten_nodes
+from ortflow.accel.graph import aten_nodes
 
 OPERATOR = "ortflow::convolution"  # the forward node's operator
 BACKWARD = "ortflow::convolution_backward"

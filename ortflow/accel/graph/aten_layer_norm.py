@@ -2,7 +2,7 @@
 
 Why: ORT's CPU LayerNormalizationGrad is a slow kernel: at d_model 512 (4 layers, block 128, batch 16) it took
 142 ms of an artifacts step against 11 ms for torch's native_layer_norm_backward (ortflow-bench --profile). As with
-convolutions (accel/aten_conv.py), an `org.pytorch.aten::ATen` node hands the operator to torch through the ATen
+convolutions (accel/graph/aten_conv.py), an `org.pytorch.aten::ATen` node hands the operator to torch through the ATen
 executor extension.
 
 How (symbolics.py puts it in place only while an ORT engine exports):
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel import aten_nodes
+from ortflow.accel.graph import aten_nodes
 
 OPERATOR = "ortflow::layer_norm"
 BACKWARD = "ortflow::layer_norm_backward"

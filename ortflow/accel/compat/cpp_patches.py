@@ -11,7 +11,7 @@ does not contain it stops the build with an error naming the patch (a different 
 from dataclasses import dataclass
 from pathlib import Path
 
-from ortflow.accel.compat_torch import Version, torch_version
+from ortflow.accel.compat.torch_patches import Version, torch_version
 from ortflow.errors import OrtflowError
 
 INTEROP = "torch_interop_utils"

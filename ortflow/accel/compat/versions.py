@@ -1,0 +1,69 @@
+"""The torch, onnxruntime-training and onnx versions the compatibility layer was written for, checked before any patch
+is applied or any export starts (`prepare`)."""
+
+import logging
+import os
+
+import onnx
+import torch
+
+from ortflow.accel.compat import torch_patches
+from ortflow.errors import OrtflowError
+
+log = logging.getLogger(__name__)
+
+# ORT 1.19 reads ONNX IR <= 10, and its gradient builder mishandles LayerNormalization at opset 17.
+MAX_ARTIFACTS_OPSET = 16
+
+# The versions this module's patches were written for and tested with: (lowest, highest) major.minor, inclusive.
+SUPPORTED = {"torch": ((2, 6), (2, 14)), "onnxruntime-training": ((1, 19), (1, 19)), "onnx": ((1, 16), (1, 16))}
+
+# Set to 1 to run on versions outside SUPPORTED anyway (run.json then records "untested_versions").
+ALLOW_UNTESTED = "ORTFLOW_ALLOW_UNTESTED_VERSIONS"
+
+
+def installed_versions() -> dict[str, str]:
+    import onnxruntime
+
+    return {"torch": torch.__version__, "onnxruntime-training": onnxruntime.__version__, "onnx": onnx.__version__}
+
+
+def untested_versions() -> dict[str, str]:
+    """The installed packages whose version lies outside SUPPORTED, as {package: version}."""
+    found = {}
+    for package, version in installed_versions().items():
+        low, high = SUPPORTED[package]
+        if not low <= torch_patches.major_minor(version) <= high:
+            found[package] = version
+    return found
+
+
+def prepare() -> list[str]:
+    """Before any ORT import or export: refuse untested versions (`require_supported_versions`), then apply the
+    Python-side patches the installed torch needs (torch_patches). Returns the names of those patches."""
+    require_supported_versions()
+    return torch_patches.apply()
+
+
+def require_supported_versions() -> None:
+    """Refuse, in one paragraph, a torch / onnxruntime-training / onnx combination these patches were not written
+    for (unless ORTFLOW_ALLOW_UNTESTED_VERSIONS=1): a patch that silently stops applying would train wrongly or
+    let ORTModule fall back to PyTorch unnoticed."""
+    untested = untested_versions()
+    if not untested or os.environ.get(ALLOW_UNTESTED) == "1":
+        if untested:
+            log.warning("running on untested versions %s (%s=1)", untested, ALLOW_UNTESTED)
+        return
+
+    def span(package: str) -> str:
+        (a, b), (c, d) = SUPPORTED[package]
+        return f"{package} {a}.{b}" + ("" if (a, b) == (c, d) else f" to {c}.{d}")
+
+    raise OrtflowError(
+        "the ORT engines were written and tested for "
+        + ", ".join(span(p) for p in SUPPORTED)
+        + "; installed: "
+        + ", ".join(f"{p} {v}" for p, v in installed_versions().items())
+        + f" ({', '.join(untested)} outside that range). Install a supported stack (pip install -e . in a fresh "
+        f"venv), use accel=none, or set {ALLOW_UNTESTED}=1 to try anyway (run.json then records it)."
+    )
