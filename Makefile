@@ -12,9 +12,9 @@ RANGE_TORCH ?= 2.6.0
 TORCHVISION = 0.$(shell echo $$(( $(word 2,$(subst ., ,$(TORCH))) + 15 ))).*
 VENV ?= .venv
 # What test-range runs on the other end: every engine, parity, resume, custom-Function and distributed test.
-RANGE_TESTS ?= tests/test_compat.py tests/test_engines.py tests/test_zoo.py tests/test_resume.py \
-	tests/test_distributed.py tests/test_graph_fixes.py tests/test_features.py tests/test_vision_engines.py tests/test_aten_layer_norm.py \
-	tests/test_hf.py tests/test_lm_runs.py tests/test_batch_dependence.py tests/test_reliability.py tests/test_precision.py tests/test_engine_gaps.py
+RANGE_TESTS ?= tests/accel/compat/test_compat.py tests/accel/test_engines.py tests/accel/test_zoo.py tests/run/test_resume.py \
+	tests/test_distributed.py tests/accel/graph/test_graph_fixes.py tests/run/test_features.py tests/accel/test_vision_engines.py tests/accel/graph/test_aten_layer_norm.py \
+	tests/model/test_hf.py tests/run/test_lm_runs.py tests/model/test_batch_dependence.py tests/run/test_reliability.py tests/accel/test_precision.py tests/accel/test_engine_gaps.py
 BIN := $(VENV)/bin
 TRAIN_STAMP := $(VENV)/.ortflow-train
 TEST_STAMP := $(VENV)/.ortflow-test

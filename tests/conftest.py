@@ -54,16 +54,16 @@ def run_cli(*args: str, cwd: Path, timeout: int = 600, env: dict[str, str] | Non
     )
 
 
-# Lets a subprocess import tests.user_model (a user's own model module).
+# Lets a subprocess import tests.helpers.user_model (a user's own model module).
 USER_ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
 def custom_model(builder: str, **kwargs) -> list[str]:
-    """Overrides for model=custom with a builder from tests/user_model.py (a bigram model of width 16)."""
+    """Overrides for model=custom with a builder from tests/helpers/user_model.py (a bigram model of width 16)."""
     extra = [f"+model.{key}={value}" for key, value in kwargs.items()]
     return [
         "model=custom",
-        f"model._target_=tests.user_model.{builder}",
+        f"model._target_=tests.helpers.user_model.{builder}",
         "+model.vocab_size=256",
         "+model.width=16",
         *extra,

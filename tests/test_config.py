@@ -37,12 +37,12 @@ def test_every_group_option_composes(override):
     group = override.split("=")[0].lstrip("+")
     extra = {  # options that need a companion setting to be complete
         "debug": ["accel=ortmodule"],  # debug options apply to ortmodule only
-        "model=custom": ["model._target_=tests.user_model.build_bigram"],  # custom has no builder of its own
+        "model=custom": ["model._target_=tests.helpers.user_model.build_bigram"],  # custom has no builder of its own
         "model=mlp": ["data=digits"],  # the MLP takes digits' 64 features, not token ids
-        "data=custom": ["data._target_=tests.zoo.masked_text"],
+        "data=custom": ["data._target_=tests.helpers.zoo.masked_text"],
         "data=diabetes": ["model=mlp", "loss=mse"],
         "data=image_folder": ["data.root=/any/folder"],  # the user's folder is required
-        "loss=custom": ["loss._target_=tests.zoo.mean_abs_error"],
+        "loss=custom": ["loss._target_=tests.helpers.zoo.mean_abs_error"],
         "loss=mse": ["objective=eval/mae"],
     }
     cfg = make_cfg(override, *extra.get(group, []), *extra.get(override, []))
