@@ -54,7 +54,6 @@ def test_an_import_against_the_order_breaks_a_contract(tmp_path, module, line, b
     result = lint_imports(tmp_path)
     assert result.returncode != 0
     # the contract named breaks, and the report names the module the import was added to
-    assert f"{broken}" in result.stdout.split("Broken contracts")[-1], result.stdout
-    importer = module.removesuffix(".py").replace("/", ".")
-    parts = importer.split(".")
-    assert any(".".join(parts[:n]) in result.stdout for n in (len(parts), 2)), result.stdout
+    broken_part = result.stdout.split("Broken contracts")[-1]
+    assert broken in broken_part, result.stdout
+    assert Path(module).stem in broken_part, result.stdout
