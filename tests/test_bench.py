@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from ortflow.bench.tables import Reporter, rate, table
 from ortflow.cli.bench import (
     FORMAT,
     Measurement,
@@ -27,7 +28,6 @@ from ortflow.cli.bench import (
     summarize,
 )
 from ortflow.cli.bench_worker import CALIBRATION_S, choose_steps
-from ortflow.report.bench_tables import Reporter, rate, table
 from tests.conftest import TINY
 
 REPO = Path(__file__).resolve().parents[1]

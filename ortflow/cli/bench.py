@@ -45,9 +45,9 @@ import torch
 from rich.console import Console
 
 from ortflow import machine
+from ortflow.bench.tables import Reporter, profile_table, short, summarize, table
 from ortflow.config import BF16, FP32
 from ortflow.report import terminal
-from ortflow.report.bench_tables import Reporter, profile_table, short, summarize, table
 from ortflow.report.plots import plot_scaling
 
 # torch.compile is a reference point, not an accel mode: the eager engine around a compiled model. Not measured by
