@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from ortflow.bench.tables import Reporter, rate, table
+from ortflow.bench.progress import Reporter
+from ortflow.bench.tables import rate, table
 from ortflow.cli.bench import (
     FORMAT,
     Measurement,

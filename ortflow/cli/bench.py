@@ -45,7 +45,9 @@ import torch
 from rich.console import Console
 
 from ortflow import machine
-from ortflow.bench.tables import Reporter, profile_table, short, summarize, table
+from ortflow.bench.progress import Reporter
+from ortflow.bench.summary import summarize
+from ortflow.bench.tables import profile_table, short, table
 from ortflow.config import BF16, FP32
 from ortflow.report import terminal
 from ortflow.report.plots import plot_scaling
