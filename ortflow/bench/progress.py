@@ -4,22 +4,13 @@ terminal also a bar for the whole bench; elsewhere plain lines)."""
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from ortflow.bench.plan import Measurement
 from ortflow.bench.tables import rate, short
-
-
-class Planned(Protocol):
-    """A measurement of the plan, as the progress lines need it."""
-
-    index: int
-    setting: str
-    mode: str
-
-    def label(self) -> str: ...
 
 
 def _clock(seconds: float) -> str:
@@ -35,7 +26,7 @@ class Reporter:
     left, the mean duration of the finished ones of its mode in its setting (else of its mode, else of all); `done`
     are the measurements of earlier sessions of a resumed bench, whose durations count too."""
 
-    def __init__(self, console: Console, todo: list[Planned], done: list[dict[str, Any]], log: Path) -> None:
+    def __init__(self, console: Console, todo: list[Measurement], done: list[dict[str, Any]], log: Path) -> None:
         self.console, self.todo, self.done, self.log = console, list(todo), list(done), log
         self.total = len(todo) + len(done)
         self.elapsed_before = sum(r.get("wall_s", 0.0) for r in done)
@@ -64,19 +55,19 @@ class Reporter:
         if not finished:
             return None
 
-        def estimate(m: Planned) -> float:
+        def estimate(m: Measurement) -> float:
             alike = [r["wall_s"] for r in finished if (r["setting"], r["mode"]) == (m.setting, m.mode)]
             alike = alike or [r["wall_s"] for r in finished if r["mode"] == m.mode]
             return statistics.mean(alike or [r["wall_s"] for r in finished])
 
         return sum(estimate(m) for m in self.todo)
 
-    def start(self, m: Planned) -> None:
+    def start(self, m: Measurement) -> None:
         self._line(f"[{m.index}/{self.total}] {m.label()} ...")
         if self.bar:
             self.bar.update(self.task, description=m.label())
 
-    def end(self, m: Planned, run: dict[str, Any]) -> None:
+    def end(self, m: Measurement, run: dict[str, Any]) -> None:
         self.done.append(run)
         self.todo.remove(m)
         eta = self.eta() if self.todo else None

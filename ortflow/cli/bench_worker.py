@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 
 from ortflow.accel import compat
 from ortflow.accel.engine import Engine
-from ortflow.cli.bench import MODES, mode_config
+from ortflow.bench.plan import MODES, mode_config
 from ortflow.config import register_configs
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
