@@ -20,8 +20,8 @@ from ortflow.bench.progress import Reporter
 from ortflow.bench.records import FORMAT, jsonable, machine_facts
 from ortflow.bench.summary import summarize
 from ortflow.bench.tables import rate, table
+from ortflow.bench.worker import CALIBRATION_S, choose_steps
 from ortflow.cli.bench import main, parse_args
-from ortflow.cli.bench_worker import CALIBRATION_S, choose_steps
 from tests.conftest import TINY
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ def run_worker(args: argparse.Namespace, m: Measurement, log: Path) -> dict[str,
     """Measurement `m` in a fresh process whose output goes to `log`; its result, or {"error": ...}."""
     with tempfile.TemporaryDirectory(prefix="ortflow-bench-result-") as tmp:
         result_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "ortflow.cli.bench_worker", "--result", str(result_file)]
+        cmd = [sys.executable, "-m", "ortflow.bench.worker", "--result", str(result_file)]
         cmd += ["--budget", str(args.budget), "--min-steps", str(args.min_steps), "--warmup", str(args.warmup)]
         cmd += [*(["--steps", str(args.steps)] if args.steps else []), *(["--profile"] if args.profile else [])]
         cmd += [m.mode, *overrides_for(args, m.setting)]

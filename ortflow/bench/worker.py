@@ -1,7 +1,7 @@
 """One benchmark measurement in its own process (a process per measurement gives each mode its own peak memory
 and a cold first step):
 
-    python -m ortflow.cli.bench_worker --result FILE --budget SECONDS [--steps N] [--profile] MODE [OVERRIDES]
+    python -m ortflow.bench.worker --result FILE --budget SECONDS [--steps N] [--profile] MODE [OVERRIDES]
 
 The result (or the error) is written as JSON to FILE. Everything the process prints (ONNX Runtime's native log
 lines, torch's notices and warnings, ortflow's own log records) goes to its stdout and stderr, which ortflow-bench
@@ -299,7 +299,7 @@ def _end_with_parent() -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ortflow.cli.bench_worker")
+    p = argparse.ArgumentParser(prog="python -m ortflow.bench.worker")
     p.add_argument("--result", type=Path, required=True, help="where the result (or the error) is written, as JSON")
     p.add_argument("--budget", type=float, default=10.0, help="seconds of timed steps")
     p.add_argument("--min-steps", type=int, default=2, help="timed steps per pass at least")
