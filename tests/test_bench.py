@@ -18,9 +18,9 @@ from rich.console import Console
 from ortflow.bench.plan import Measurement, plan, settings_of
 from ortflow.bench.progress import Reporter
 from ortflow.bench.records import FORMAT, jsonable, machine_facts
+from ortflow.bench.start import CALIBRATION_S, choose_steps
 from ortflow.bench.summary import summarize
 from ortflow.bench.tables import rate, table
-from ortflow.bench.worker import CALIBRATION_S, choose_steps
 from ortflow.cli.bench import main, parse_args
 from tests.conftest import TINY
 
