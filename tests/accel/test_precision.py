@@ -116,8 +116,10 @@ def test_auto_precision_follows_the_cpus_bf16_units_and_emulation_is_said(monkey
 
 
 def test_the_bench_measures_every_mode_in_each_precision_and_compares_within_it():
-    from ortflow.cli.bench import mode_specs, parse_args
-    from ortflow.report.bench_tables import mode_label, summarize
+    from ortflow.bench.plan import mode_specs
+    from ortflow.bench.summary import summarize
+    from ortflow.bench.tables import mode_label
+    from ortflow.cli.bench import parse_args
 
     args = parse_args(["--precision", "fp32,bf16-mixed", "--modes", "none,artifacts:accel.aten_conv=false"])
     specs = mode_specs(args)

@@ -15,19 +15,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from ortflow.cli.bench import (
-    FORMAT,
-    Measurement,
-    _jsonable,
-    machine_facts,
-    main,
-    parse_args,
-    plan,
-    settings_of,
-    summarize,
-)
-from ortflow.cli.bench_worker import CALIBRATION_S, choose_steps
-from ortflow.report.bench_tables import Reporter, rate, table
+from ortflow.bench.plan import Measurement, plan, settings_of
+from ortflow.bench.progress import Reporter
+from ortflow.bench.records import FORMAT, jsonable, machine_facts
+from ortflow.bench.start import CALIBRATION_S, choose_steps
+from ortflow.bench.summary import summarize
+from ortflow.bench.tables import rate, table
+from ortflow.cli.bench import main, parse_args
 from tests.conftest import TINY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +59,7 @@ def _until(proc: subprocess.Popen, pattern: str) -> list[str]:
 
 
 def _record(args: list[str], **extra) -> dict:
-    return {"format": FORMAT, "args": _jsonable(vars(parse_args(args))), "machine": machine_facts(), **extra}
+    return {"format": FORMAT, "args": jsonable(vars(parse_args(args))), "machine": machine_facts(), **extra}
 
 
 def test_the_budget_chooses_more_steps_for_a_faster_step():

@@ -138,8 +138,8 @@ class HFEncoder:
         return np.array(ids, dtype=self.dtype)
 
 
-# Byte classes of SPLIT_PATTERN (tokenizer.py; tests/data/test_lm_data.py checks that both split alike): letters, digits,
-# whitespace, everything else (non-ASCII bytes included).
+# Byte classes of SPLIT_PATTERN (tokenizer.py; tests/data/test_lm_data.py checks that both split alike): letters,
+# digits, whitespace, everything else (non-ASCII bytes included).
 _LETTER, _DIGIT, _SPACE_CLASS, _OTHER = 0, 1, 2, 3
 _CLASSES = np.full(256, _OTHER, dtype=np.uint8)
 _CLASSES[np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz", dtype=np.uint8)] = _LETTER

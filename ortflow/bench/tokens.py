@@ -1,10 +1,10 @@
 """Benchmarks of the language-model data path (not tests: numbers depend on the machine and its load).
 
-    python -m ortflow.data.tokens.bench corpus /tmp/corpus.txt --mb 1000   # text from installed packages' sources
-    python -m ortflow.data.tokens.bench prepare /tmp/corpus.txt --tokenizer bytes
-    python -m ortflow.data.tokens.bench prepare /tmp/corpus.txt --tokenizer bpe --vocab 8192
-    python -m ortflow.data.tokens.bench rss --mb 100 2048                  # RSS streaming from token files of each size
-    python -m ortflow.data.tokens.bench loader --source /tmp/corpus.txt        # batch time against a transformer step
+    python -m ortflow.bench.tokens corpus /tmp/corpus.txt --mb 1000   # text from installed packages' sources
+    python -m ortflow.bench.tokens prepare /tmp/corpus.txt --tokenizer bytes
+    python -m ortflow.bench.tokens prepare /tmp/corpus.txt --tokenizer bpe --vocab 8192
+    python -m ortflow.bench.tokens rss --mb 100 2048                  # RSS streaming from token files of each size
+    python -m ortflow.bench.tokens loader --source /tmp/corpus.txt        # batch time against a transformer step
 
 `prepare` prepares into a fresh cache folder and reports MB/s of source bytes over the whole prepare (tokenizer
 training, encoding, the split, the content hashes, the manifest). `rss` streams random blocks (and an evaluation's
@@ -152,7 +152,7 @@ def bench_loader(source: str, accel: str, steps: int, overrides: list[str]) -> d
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ortflow.data.tokens.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ortflow.bench.tokens", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     corpus = sub.add_parser("corpus")
     corpus.add_argument("out", type=Path)
