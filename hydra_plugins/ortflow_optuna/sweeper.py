@@ -2,7 +2,7 @@
 
 Hydra's own Optuna sweeper (hydra-optuna-sweeper) requires optuna < 3 and only sees a job's final return value,
 so it cannot prune. Here each trial is one Hydra job run by the in-process basic launcher; while it trains, its
-evaluations are reported to the trial (ortflow/pruning.py) and the study's pruner may stop it early, which the job
+evaluations are reported to the trial (ortflow/run/pruning.py) and the study's pruner may stop it early, which the job
 records as status "pruned". The study lives in an SQLite file in the sweep dir (or `storage`), so running the same
 command again with the same hydra.sweep.dir resumes an interrupted sweep: finished trials (completed or pruned)
 count toward n_trials, a trial cut short by the interruption is marked failed and replaced.

@@ -59,13 +59,13 @@ class Settings:
     rewrite_relu: bool = True  # as for ortmodule: Relu -> x * (x > 0), whose gradient ORT runs in parallel
     # Embedding Gather on a weight of at most this many rows -> OneHot @ W: W's gradient becomes a Gemm instead of
     # ORT's contending GatherGrad, at the cost of a (tokens x vocabulary) matmul. Measured on the transformer recipe
-    # (README, Performance): +13% at vocabulary 256, even at 1024, -11% at 4096. 0 = off.
+    # (docs/performance.md): +13% at vocabulary 256, even at 1024, -11% at 4096. 0 = off.
     rewrite_embedding_max_vocab: int = ranged(512, Ge(0))
     # Dropout -> x * mask, the masks fed as graph inputs, drawn each step by a fast generator seeded from torch's RNG
     # (so from the run's seed, and resumed exactly): ORT's CPU Dropout draws its random numbers slowly, on one thread.
     rewrite_dropout: bool = True
     # Convolutions run by torch's kernels inside ORT's graphs (ATen nodes; accel/graph/aten_conv.py), not ORT's own CPU
-    # Conv/ConvGrad: a VGG-style CNN trained ~1.2x faster in both ORT engines (README, Performance). Transposed
+    # Conv/ConvGrad: a VGG-style CNN trained ~1.2x faster in both ORT engines (docs/performance.md). Transposed
     # convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-waiting is then off whatever
     # allow_spinning says: spinning ORT threads would compete with torch's.
     aten_conv: bool = True

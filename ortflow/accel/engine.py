@@ -28,8 +28,8 @@ class EngineContext:
         example: one (inputs, targets) batch of the training batch size, taken without drawing from the training
             loader's generator (the data order stays the same in every accel mode). Its inputs' structure (one
             tensor, a tuple or a dict of tensors) is the one every batch has.
-        loss: the loss group's Loss (ortflow/loss.py), used identically by every engine.
-        optim: the optim group (ortflow/optim.py); an engine either builds torch.optim from it or bakes it in.
+        loss: the loss group's Loss (ortflow/step/loss.py), used identically by every engine.
+        optim: the optim group (ortflow/step/optim.py); an engine either builds torch.optim from it or bakes it in.
         grad_clip: max global gradient norm, or None.
         debug: the debug group; an engine that cannot honour a debug option refuses it in its `problems`.
         onnx_dir: where the engine may write ONNX files (inside the run dir).

@@ -72,7 +72,7 @@ class Settings:
     # torch's per-step seed: ORT's CPU Dropout is slow.
     rewrite_dropout: bool = True
     # Convolutions run by torch's kernels inside ORT's graphs (ATen nodes; accel/graph/aten_conv.py), not ORT's own CPU
-    # Conv/ConvGrad: a VGG-style CNN trained ~1.2x faster in both ORT engines (README, Performance). Transposed
+    # Conv/ConvGrad: a VGG-style CNN trained ~1.2x faster in both ORT engines (docs/performance.md). Transposed
     # convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-waiting is then off whatever
     # allow_spinning says: spinning ORT threads would compete with torch's.
     aten_conv: bool = True

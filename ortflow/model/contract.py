@@ -2,7 +2,7 @@
 
 A builder returns an `nn.Module`. Its forward takes the batch's inputs (one tensor, the tensors of a tuple
 positionally, or those of a dict by keyword), each `(B, ...)` (or `(T, B, ...)` with `data.batch_first=false`),
-and returns a float tensor the loss takes (ortflow/loss.py): for cross-entropy, logits `(B, ..., C)` whose leading
+and returns a float tensor the loss takes (ortflow/step/loss.py): for cross-entropy, logits `(B, ..., C)` whose leading
 dimensions are the targets' and whose last dimension C covers every class id in the targets; for mse and
 bce_with_logits, the targets' shape. Samples must not interact across the batch dimension
 (the engines pad short batches, and DDP splits batches): a probe that changes one sample must leave the other

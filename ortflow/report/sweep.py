@@ -17,7 +17,7 @@ from ortflow.report.plots import plot_runs
 log = logging.getLogger(__name__)
 
 COLUMNS = ("job", "overrides", "status", "train/loss", "eval/loss", "samples/s", "executed_by", "error")
-# The loss's own eval metrics (ortflow/loss.py) get a column when any job reports them.
+# The loss's own eval metrics (ortflow/step/loss.py) get a column when any job reports them.
 EVAL_METRICS = ("eval/accuracy", "eval/mae")
 
 

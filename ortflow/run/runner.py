@@ -67,7 +67,7 @@ def build_data(cfg: DictConfig) -> Data:
     if not isinstance(data, Data):
         raise OrtflowError(
             f"data._target_={cfg.data.get('_target_')} returned {type(data).__name__}, not an ortflow.data.Data "
-            "(train and val DataLoaders yielding (inputs, targets) batches; see the README's data section)."
+            "(train and val DataLoaders yielding (inputs, targets) batches; see docs/data.md)."
         )
     _require_batches(cfg, data)
     if "vocab_size" in cfg.data and cfg.data.vocab_size is None and "vocab_size" in data.info:

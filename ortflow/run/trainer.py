@@ -200,7 +200,7 @@ def train_loop(
         watch: the run's objective; its best evaluation (watched_metric) and that step are tracked and returned as
             best/<metric> and best/step.
         on_best: called after an evaluation that is the best so far (writes best.pt).
-        prune: called after each evaluation in a pruning sweep (ortflow/pruning.py); True ends the run there.
+        prune: called after each evaluation in a pruning sweep (ortflow/run/pruning.py); True ends the run there.
         eval_metrics: derives more eval metrics from each evaluation's (the data's; e.g. eval/bits_per_byte).
 
     Raises:

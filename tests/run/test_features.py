@@ -72,7 +72,7 @@ def test_best_and_final_weights_and_the_inference_export(mode, tmp_path):
     record = json.loads((run_dir / "run.json").read_text())
     export = record["export"]
     assert export["max_abs_diff"] < 1e-4 and export["batch_sizes_checked"] == [64, 1], export
-    # The README's example: plain onnxruntime, any batch size.
+    # The example in docs/training.md: plain onnxruntime, any batch size.
     session = onnxruntime.InferenceSession(str(run_dir / "model.onnx"), providers=["CPUExecutionProvider"])
     (logits,) = session.run(None, {"input": np.random.default_rng(0).random((5, 64), dtype=np.float32)})
     assert logits.shape == (5, 10)

@@ -49,7 +49,7 @@ def extensions_dir() -> Path:
     if folder is None or not (folder / "cpu").is_dir():
         raise OrtflowError(
             "accel=ortmodule needs onnxruntime-training (module onnxruntime.training.ortmodule), which is not "
-            "installed in this environment. Install ortflow's stack (see README, Versions)."
+            "installed in this environment. Install ortflow's stack (see docs/versions.md)."
         )
     return folder
 

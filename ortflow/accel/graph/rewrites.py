@@ -3,7 +3,7 @@
 Two kinds. Fixes, always applied, make a graph ORT can differentiate at all (`add_dropout_masks`). Speed rewrites
 replace a node whose ORT CPU training kernel is slow (single-threaded or contending) with nodes whose forward result
 is the same and whose gradient ORT runs fast; each is optional in the accel config and on by default only where
-`ortflow-bench` measured it faster (README, Performance). Every rewrite returns how many nodes it changed.
+`ortflow-bench` measured it faster (docs/performance.md). Every rewrite returns how many nodes it changed.
 """
 
 import logging
