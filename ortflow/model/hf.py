@@ -13,6 +13,7 @@ transformers is an optional extra (`pip install 'ortflow[hf]'`); its log records
 """
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,6 +69,16 @@ class HFModel(nn.Module):
         )
 
 
+def _available_locally(name_or_path: str) -> bool:
+    """Whether `name_or_path` is a model directory or a model in the local Hugging Face cache. Asked before
+    transformers is: with local_files_only it still looks for a peft adapter online, five retries long."""
+    if Path(name_or_path).is_dir():
+        return True
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(name_or_path, "config.json"), str)
+
+
 def build_hf_model(
     task: str = "causal_lm",
     name_or_path: str | None = None,
@@ -111,6 +122,8 @@ def build_hf_model(
         settings["num_labels"] = num_labels
     if name_or_path:
         try:
+            if not _available_locally(name_or_path):
+                raise OSError("no config.json there or in the cache")
             model = auto.from_pretrained(name_or_path, local_files_only=True, **settings)
         except (OSError, ValueError) as err:
             raise ModelError(
