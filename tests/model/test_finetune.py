@@ -125,6 +125,8 @@ def test_a_lora_checkpoint_resumes_exactly_and_refuses_another_base(saved, kind,
         finetune(other, tmp_path / "foreign", *every, f"trainer.resume={step2}")
 
 
+# peft asks transformers for is_gradient_checkpointing, which transformers deprecates: between the two libraries.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_the_adapter_folder_loads_with_peft_onto_the_base(saved, tmp_path):
     import peft
     import transformers
