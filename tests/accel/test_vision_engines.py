@@ -414,8 +414,8 @@ def frozen_backbone() -> nn.Module:
 
 @pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
 def test_frozen_aten_convolutions_train_the_rest_with_parity(kind, tmp_path):
-    """ORTModule asks its gradient graph for every parameter's gradient, frozen ones too: the ATen convolutions must
-    compute them (a frozen convolution once failed there with 'Only tensor type OrtValues are supported')."""
+    """Frozen ATen convolutions compute no weight gradient: their masks agree with the gradient graph, which has none
+    for frozen weights in either engine (a mismatch once failed with 'Only tensor type OrtValues are supported')."""
     batches = images()
     _, engine, expected, got = train_both(kind, frozen_backbone, batches, tmp_path, aten_conv=True)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)

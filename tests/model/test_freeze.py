@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from ortflow.accel.compat.ortmodule_patches import training_graph
 from ortflow.api import train
 from ortflow.errors import CheckpointError, ConfigError
 from ortflow.model.freeze import FrozenBatchNorm, freeze
@@ -72,6 +73,39 @@ def test_frozen_parameters_stay_bit_identical_and_get_no_gradient_in_every_engin
         for name, param in (eager.model if kind == "none" else model).named_parameters():
             assert (id(param) in params) == param.requires_grad, name
             assert (param.grad is None) or param.requires_grad, name
+
+
+def _ort_gradients(engine) -> set[str]:
+    """The parameters ORTModule's training graph computes a gradient for (its gradient outputs)."""
+    outputs = [o.name for o in training_graph(engine.module).graph.output if o.name.endswith("_grad")]
+    return {o.removeprefix("_original_module.model.").removesuffix("_grad") for o in outputs}
+
+
+def test_ortmodule_builds_no_gradient_for_frozen_weights_and_rebuilds_when_one_is_unfrozen(tmp_path):
+    torch.manual_seed(0)
+    # Frozen: the first Linear and one between two that train (its input gradient still flows, its weight's not).
+    layers = [nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU()]
+    model = freeze(nn.Sequential(*layers, nn.Linear(32, 5)), ["0", "4"])
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    eager = make_engine("none", copy.deepcopy(model), batches[0], tmp_path)
+    engine = make_engine("ortmodule", model, batches[0], tmp_path)
+    expected = [eager.train_step(x, y) for x, y in batches]
+    got = [engine.train_step(x, y) for x, y in batches]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL["ortmodule"], atol=0)
+    assert_ort_trained(engine, len(batches))
+    assert _ort_gradients(engine) == {"2.weight", "2.bias", "6.weight", "6.bias"}
+    # 4 forward GEMMs; backward: a weight gradient for 2 and 6, an input gradient through 6 and the frozen 4 only.
+    assert sum(n.op_type in ("Gemm", "MatMul") for n in training_graph(engine.module).graph.node) == 4 + 4
+    after = engine.model_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in ("0.weight", "0.bias", "4.weight", "4.bias"))
+    assert not torch.equal(after["2.weight"], before["2.weight"])
+    model[4].requires_grad_(True)  # the next training step exports and builds the graphs again
+    engine.train_step(*batches[0])
+    assert _ort_gradients(engine) == {"2.weight", "2.bias", "4.weight", "4.bias", "6.weight", "6.bias"}
+    assert model[4].weight.grad is not None and model[4].weight.grad.abs().sum() > 0
+    assert_ort_trained(engine, len(batches) + 1)
 
 
 def test_a_run_counts_trainable_parameters_and_its_checkpoints_refuse_another_base(tmp_path):

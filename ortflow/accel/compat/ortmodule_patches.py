@@ -8,6 +8,7 @@ import contextvars
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,7 @@ class ExportHooks:
 
     install: Callable[[], None]  # once, before any ORTModule is built (gradient registrations, shape handlers)
     exporting: Callable[[Any, int], contextlib.AbstractContextManager]  # around torch's export at an opset
-    fix: Callable[[onnx.ModelProto, set[str], Any], dict[str, int]]  # the exported graph, its parameter names
+    fix: Callable[[onnx.ModelProto, set[str], Any], dict[str, int]]  # the exported graph, its trainable parameters
     infer_shapes: Callable[[onnx.ModelProto], onnx.ModelProto]  # ORTModule's shape inference, replaced
 
 
@@ -127,10 +128,9 @@ def patch_ortmodule(hooks: ExportHooks) -> None:
             hooks.exporting(graph, kwargs["onnx_opset_version"]),
         ):
             exported_model, output_schema = get_exported(*args, **kwargs)
-        # ORTModule builds its gradient graph for every parameter, frozen ones too (it exports them all as requiring
-        # a gradient and drops the frozen ones' afterwards).
-        parameters = {name for name, _ in kwargs["flattened_module"].named_parameters()}
-        fixes = hooks.fix(exported_model, parameters, graph)
+        # The parameters ORTModule builds the gradient of (`_gradients_for_trainable_parameters_only`).
+        trainable = {name for name, p in kwargs["flattened_module"].named_parameters() if p.requires_grad}
+        fixes = hooks.fix(exported_model, trainable, graph)
         if scope is not None:
             scope.fixes.update(fixes)
         return exported_model, output_schema
@@ -146,8 +146,51 @@ def patch_ortmodule(hooks: ExportHooks) -> None:
     GraphExecutionManager._get_session_config = session_config_with_threads
     GraphTransitionManager._get_exported_model = staticmethod(get_exported_fixed)
     GraphTransitionManager._infer_shapes = staticmethod(hooks.infer_shapes)
+    _gradients_for_trainable_parameters_only()
     _capture_only_real_streams()
     _patched = True
+
+
+# Which parameters required a gradient when each ORTModule (training) graph was exported: one per
+# GraphTransitionManager, held only as long as it lives.
+_TRAINABLE_AT_EXPORT: "weakref.WeakKeyDictionary[Any, tuple[bool, ...]]" = weakref.WeakKeyDictionary()
+
+
+def _gradients_for_trainable_parameters_only() -> None:
+    """ORTModule 1.19.2 exports every parameter as requiring a gradient (GraphTransitionManager._export_model lists
+    all of `named_parameters()`, whatever their requires_grad), builds its gradient graph for all of them, and then
+    drops the frozen ones' gradients in torch: a frozen layer's weight-gradient GEMMs run every step and their outputs
+    are held until then. Only with its skip-checks off (ORTMODULE_SKIPCHECK_POLICY; on by default, as ortflow keeps
+    them) would its `_reprocess_check` notice on the second step and rebuild the gradient graph.
+
+    Here, ORTModule lists only the parameters with requires_grad as trainable, so its gradient builder computes
+    nothing for the frozen ones (and the ExportHooks get those names: the ATen nodes' gradient masks agree). When
+    requires_grad changes after an export (a layer unfrozen or frozen), the next training forward exports and builds
+    the graphs again, as ORTModule does when the model changes, skip-checks or not."""
+    from onnxruntime.training.ortmodule._graph_transition_manager import GraphTransitionManager
+    from onnxruntime.training.ortmodule._training_manager import TrainingManager
+
+    export_model = GraphTransitionManager._export_model
+
+    def export_model_trainable_only(*args, **kwargs):
+        exported, schema, input_names, names_require_grad = export_model(*args, **kwargs)
+        frozen = {name for name, p in kwargs["flattened_module"].named_parameters() if not p.requires_grad}
+        return exported, schema, input_names, [name for name in names_require_grad if name not in frozen]
+
+    forward = TrainingManager.forward
+
+    def forward_exported_for_current_trainable(self, *inputs, **kwargs):
+        trainable = tuple(p.requires_grad for p in self._flattened_module.parameters())
+        transitions = self._graph_transition_manager
+        if transitions._exported_model_info is not None and _TRAINABLE_AT_EXPORT.get(transitions) != trainable:
+            # Exported, built and given a session again, whatever the skip-checks say.
+            transitions._exported_model_info = None
+            self._execution_agent = None
+        _TRAINABLE_AT_EXPORT[transitions] = trainable
+        return forward(self, *inputs, **kwargs)
+
+    GraphTransitionManager._export_model = staticmethod(export_model_trainable_only)
+    TrainingManager.forward = forward_exported_for_current_trainable
 
 
 def _has_descriptor(stream) -> bool:
@@ -227,6 +270,12 @@ def ortmodule_construction(*, fallback_allowed: bool, opset: int | None) -> Iter
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def training_graph(module: torch.nn.Module) -> onnx.ModelProto | None:
+    """The training graph (forward and gradient, as ORT optimised it) an ORTModule last built; None before its first
+    training step."""
+    return module._torch_module._execution_manager(True)._onnx_models.optimized_model
 
 
 def ortmodule_fallback_error() -> type[BaseException]:
