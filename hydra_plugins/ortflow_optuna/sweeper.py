@@ -97,7 +97,7 @@ class OptunaSweeper(Sweeper):
         from optuna.trial import TrialState
 
         from ortflow.run import pruning
-        from ortflow.run.metadata import read_record
+        from ortflow.files import read_record
 
         fixed, choices = [], {}
         for override in OverridesParser.create().parse_overrides(arguments):
