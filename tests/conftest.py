@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -32,6 +33,14 @@ TINY = [
 ]
 
 register_configs()
+
+# Tests run side by side (pytest-xdist): each worker takes its share of the cores, for torch, for ORT (which uses as
+# many threads as torch) and for the processes it starts, so the workers do not oversubscribe the machine.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    THREADS = max(1, (os.cpu_count() or 1) // WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+    torch.set_num_threads(THREADS)
 
 
 def make_cfg(*overrides: str) -> DictConfig:

@@ -53,7 +53,7 @@ class Settings:
     opset: int = ranged(versions.MAX_ARTIFACTS_OPSET, Interval(ge=MIN_OPSET, le=versions.MAX_ARTIFACTS_OPSET))
     intra_op_threads: int | None = ranged(
         None, Ge(1)
-    )  # ORT's intra-op threads; null = ORT's default (one per physical core)
+    )  # ORT's intra-op threads; null = as many as torch uses (one per physical core)
     allow_spinning: bool = True  # ORT's default; everything runs inside ORT here, so nothing competes with it
     rewrite_gathers: bool = True  # as for ortmodule: constant-index Gather -> Slice before gradient building
     rewrite_relu: bool = True  # as for ortmodule: Relu -> x * (x > 0), whose gradient ORT runs in parallel

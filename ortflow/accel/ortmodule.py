@@ -58,7 +58,7 @@ class Settings:
     opset: int | None = ranged(None, Interval(ge=14, le=17))  # ORTModule's export opset; null = its default (17)
     intra_op_threads: int | None = ranged(
         None, Ge(1)
-    )  # ORT's intra-op threads; null = ORT's default (one per physical core)
+    )  # ORT's intra-op threads; null = as many as torch uses (one per physical core)
     # Idle ORT threads busy-wait for work by default. Under ORTModule, torch runs the optimizer and the glue between
     # ORT's runs on the same cores, and spinning ORT threads slow it down: off measured 15% faster per step.
     allow_spinning: bool = False

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from ortflow.accel.compat.versions import prepare
 
 
@@ -63,8 +65,9 @@ def apply_session_settings(
 
     ORT names a profile by its prefix and the second its session started: sessions started in the same second with
     the same `profile_name` write over each other's file."""
-    if intra_op_threads is not None:
-        options.intra_op_num_threads = intra_op_threads
+    # None: as many threads as torch uses, so one budget holds for both runtimes (one per physical core unless
+    # OMP_NUM_THREADS or torch.set_num_threads says otherwise).
+    options.intra_op_num_threads = intra_op_threads if intra_op_threads is not None else torch.get_num_threads()
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
     if profile_dir := os.environ.get(ORT_PROFILE_DIR):
         options.enable_profiling = True

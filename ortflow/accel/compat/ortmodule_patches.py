@@ -59,7 +59,7 @@ class ExportHooks:
 class SessionSettings:
     """One engine's ORT session settings (ORTModule has no option for them; ortflow applies them itself)."""
 
-    intra_op_threads: int | None = None  # None: ORT's default (one per physical core)
+    intra_op_threads: int | None = None  # None: as many as torch uses
     allow_spinning: bool = True  # ORT's default
     graph: Any = None  # what the ExportHooks read: the graph work this engine asked for
 
