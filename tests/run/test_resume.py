@@ -46,11 +46,11 @@ def start(args: list[str], cwd: Path) -> subprocess.Popen:
     )
 
 
-def wait_for(condition, timeout: float = 300) -> None:
+def wait_for(condition, timeout: float = 300, poll: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+        time.sleep(poll)
 
 
 def record(run_dir: Path) -> dict:
@@ -100,8 +100,13 @@ def test_kill9_at_a_random_step_then_resume_matches_an_uninterrupted_run(accel, 
     run_dir = tmp_path / "run"
     args = [*LONG, f"accel={accel}", "hydra.run.dir=run"]
     proc = start(args, tmp_path)
-    wait_for(lambda: checkpoint.step_checkpoints(run_dir / "checkpoints"))  # the first checkpoint is written
-    time.sleep(random.uniform(0.0, 1.5))
+    # Killed a moment after a random checkpoint of the first half, so mid-step somewhere, before the run can end
+    # however fast the machine.
+    target = random.randrange(10, 200, 10)
+    wait_for(
+        lambda: any(step >= target for step, _ in checkpoint.step_checkpoints(run_dir / "checkpoints")), poll=0.005
+    )
+    time.sleep(random.uniform(0.0, 0.02))
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert record(run_dir)["status"] == "running", "the run finished before it could be killed"

@@ -39,7 +39,7 @@ EXPECTED: tuple[tuple[type[Warning], str, str], ...] = (
     ),
     (
         UserWarning,
-        r"ONNX Preprocess - Removing mutation from node aten::add_ on block input: '[\w.]*num_batches_tracked'",
+        r"ONNX Preprocess - Removing mutation from node aten::add_ on block input: '[\w.-]*num_batches_tracked'",
         "BatchNorm's counter is updated by ortflow around each step (accel/graph/batchnorm.py), not inside the graph",
     ),
     (
