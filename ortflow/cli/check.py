@@ -1,253 +1,26 @@
 """`ortflow-check [OVERRIDES]`: before choosing `accel=`, try every accel mode for a few steps on the model and data
 the overrides describe, and print one table: whether each mode trains (or the one-line reason it does not), loss
 parity against eager on the same batches and the same initial weights (dropout off), step-1 gradients against
-eager's, a verdict against eager's own noise floor (cli/parity.py), step time, and the graph fixes ortflow applied.
+eager's, a verdict against eager's own noise floor (ortflow/check/parity.py), step time, and the graph fixes
+ortflow applied.
 With `--precision fp32,bf16-mixed` every mode is tried in each precision, against eager in the same precision; a bf16
 row's noise floor is eager bf16's own distance from eager fp32 (losses and step-1 gradients).
 The result also goes to a JSON file (`--out`, default outputs/check/<time>.json).
 """
 
 import argparse
-import copy
-import itertools
 import json
-import math
-import statistics
 import sys
-import tempfile
-import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
-import torch
 from rich.console import Console
-from rich.table import Table
-from torch import nn
 
-from ortflow import accel
-from ortflow.api import register_configs
-from ortflow.cli import parity
+from ortflow.check.modes import MODES, check
+from ortflow.check.table import table
 from ortflow.config import BF16, FP32
-from ortflow.data.resumable import ResumableBatches
-from ortflow.errors import OrtflowError, root_reason
-from ortflow.model.probe import training_forward_probe
-from ortflow.paths import compose_config, config_dir
+from ortflow.errors import OrtflowError
 from ortflow.report import terminal
-from ortflow.run.runner import build_data, build_model, engine_context
-from ortflow.run.seeding import seed_everything, seed_step
-from ortflow.step.batch import layout_of, split_batch
-from ortflow.validate import problems
-
-# Every accel mode the config tree offers (conf/accel/*.yaml), eager first: it is the reference. accel=auto is left
-# out: it trains with one of the others (its probe is its own comparison).
-MODES = tuple(
-    sorted(
-        (p.stem for p in (config_dir() / "accel").glob("*.yaml") if p.stem != "auto"), key=lambda m: (m != "none", m)
-    )
-)
-
-
-def _compose(overrides: list[str], mode: str):
-    return compose_config([*overrides, f"accel={mode}", "logger.progress=false"])
-
-
-DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-
-
-def without_dropout(model: nn.Module) -> nn.Module:
-    """The same model with every dropout probability at 0: the runtimes would otherwise draw different masks."""
-    for module in model.modules():
-        if isinstance(module, DROPOUTS) or type(module).__name__ == "StochasticDepth":  # torchvision.ops's too
-            module.p = 0.0
-        if isinstance(module, nn.MultiheadAttention):
-            module.dropout = 0.0
-    return model
-
-
-def draws_random_numbers(model: nn.Module, inputs) -> bool:
-    """Whether two training-mode forwards of `model` on `inputs` under different seeds differ: dropout that
-    `without_dropout` cannot reach (F.dropout, scaled_dot_product_attention's dropout_p, a random augmentation).
-    The model's buffers (BatchNorm statistics) are restored."""
-    layout = layout_of(inputs)
-    outputs = []
-    with training_forward_probe(model):
-        for seed in (0, 1):
-            torch.manual_seed(seed)
-            outputs.append(layout.call(model, layout.flatten(inputs)))
-    first, second = outputs
-    return isinstance(first, torch.Tensor) and not torch.equal(first, second)
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    if isinstance(err, OrtflowError):
-        return " ".join(line.strip(" -") for line in text)
-    return root_reason(err)
-
-
-def try_mode(
-    mode: str, overrides: list[str], steps: int, model: nn.Module, reference: list[float] | None, grads: bool = True
-):
-    """Train `steps` steps of a copy of `model` in `mode`; a row of the table (with `grads`, its step-1 gradients
-    under "_grads", for the caller to compare)."""
-    row: dict[str, Any] = {"mode": mode}
-    try:
-        cfg = _compose(overrides, mode)
-        if found := problems(cfg):
-            raise OrtflowError("; ".join(found))
-        seed_everything(cfg.seed)
-        data = build_data(cfg)
-        batches = list(itertools.islice(ResumableBatches(data.train), steps))
-        with tempfile.TemporaryDirectory(prefix="ortflow-check-") as tmp:
-            engine = accel.build(cfg.accel, engine_context(cfg, copy.deepcopy(model), data, Path(tmp)))
-            losses, times = [], []
-            step_one = parity.capture_step_one(engine, split_batch(batches[0])) if grads else None
-            for step, batch in enumerate(batches, start=1):
-                seed_step(cfg.seed, step)
-                start = time.perf_counter()
-                losses.append(engine.train_step(*split_batch(batch)))
-                times.append(time.perf_counter() - start)
-            info = engine.describe()
-            if step_one is not None:
-                row["_grads"] = step_one()
-    except Exception as err:  # every failure is a result here, reported in the table
-        return row | {"trains": False, "reason": _one_line(err)}
-    row |= {
-        "trains": info["executed_by"] in ("pytorch", "onnxruntime") and all(map(math.isfinite, losses)),
-        "executed_by": info["executed_by"],
-        "losses": losses,
-        "first_step_s": times[0],
-        "step_ms": 1000 * statistics.median(times[1:]) if len(times) > 1 else float("nan"),
-        "graph_fixes": info.get("graph_fixes", {}),
-    }
-    if reference is not None and len(reference) == len(losses):
-        row["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
-    return row
-
-
-def check(overrides: list[str], steps: int, modes: list[str], precisions: tuple[str, ...] = (FP32,)) -> dict[str, Any]:
-    """Build the model once (checking its contract), then try each mode on a copy of it, in each precision."""
-    register_configs()
-    cfg = _compose(overrides, "none")
-    seed_everything(cfg.seed)
-    data = build_data(cfg)
-    model = without_dropout(build_model(cfg, data))
-    random = draws_random_numbers(model, split_batch(next(iter(data.train)))[0])
-    rows: list[dict[str, Any]] = []
-    eager: dict[str, tuple[list[float] | None, dict]] = {}  # precision -> eager's losses and step-1 gradients
-    for precision in dict.fromkeys((FP32, *precisions)):  # eager fp32 first: every floor is measured from it
-        settings = [*overrides, f"trainer.precision={precision}"]
-        reference = None
-        for mode in ["none", *[m for m in modes if m != "none"]]:
-            row = try_mode(mode, settings, steps, model, reference) | {"precision": precision}
-            got = row.pop("_grads", None)
-            if mode == "none":
-                reference = row.get("losses")
-                eager[precision] = (reference, got or {})
-            elif got is not None:
-                row["grad_rel_diff"] = parity.gradient_difference(got, eager[precision][1])
-            if mode in modes and precision in precisions:
-                rows.append(row)
-    floors, gradient_floors = [], []
-    reference_fp32, grads_fp32 = eager[FP32]
-    if reference_fp32 is not None:  # eager against itself, every weight one ulp away: the noise any engine is held to
-        for seed in parity.NOISE_SEEDS:
-            noisy = try_mode("none", overrides, steps, parity.perturbed(copy.deepcopy(model), seed), reference_fp32)
-            floors.append(noisy.get("max_rel_loss_diff", math.nan))
-            if (got := noisy.pop("_grads", None)) is not None and grads_fp32:
-                gradient_floors.append(parity.gradient_difference(got, grads_fp32))
-    floor = max(floors) if floors and all(map(math.isfinite, floors)) else None
-    gradient_floor = max((g for g in gradient_floors if g is not None), default=None)
-    low = {}  # precision -> (loss floor, gradient tolerance): eager in it against eager fp32
-    for precision, (losses, grads) in eager.items():
-        if precision != FP32 and losses is not None and reference_fp32 is not None:
-            loss_floor = max(abs(a - b) / abs(b) for a, b in zip(losses, reference_fp32, strict=True))
-            low[precision] = (max(loss_floor, floor or 0.0), parity.gradient_difference(grads, grads_fp32))
-    for row in rows:
-        if row["mode"] != "none" and row.get("trains"):
-            if row["precision"] == FP32:
-                row["verdict"] = parity.verdict(row, floor, gradient_floor)
-            elif row["precision"] in low:
-                loss_floor, tolerance = low[row["precision"]]
-                what = f"eager {row['precision']}"
-                row["verdict"] = parity.verdict(row, loss_floor, gradient_tolerance=tolerance, what=what)
-    target = cfg.model.get("_target_", "?")
-    return {
-        "overrides": overrides,
-        "steps": steps,
-        "model": target,
-        "rows": rows,
-        "noise_floor": floor,
-        "noise_floors": floors,
-        "gradient_floor": gradient_floor,
-        "precision_floors": {p: {"loss": f, "step1_grads": g} for p, (f, g) in low.items()},
-        "chaotic": floor is not None and floor > parity.CHAOTIC_FLOOR,
-        "random_forward": random,
-        "torch": torch.__version__,
-    }
-
-
-RANDOM_FORWARD = (
-    "The model still draws random numbers with its dropout modules at p=0 (functional dropout such as F.dropout or "
-    "scaled_dot_product_attention's dropout_p, or a random augmentation): each mode draws its own, so the loss "
-    "differences against eager include different random draws, not only the runtimes' arithmetic."
-)
-
-
-def _floor_text(report: dict[str, Any]) -> str:
-    floor = report.get("noise_floor")
-    if floor is None:
-        return "eager's noise floor: not measured (eager did not train)"
-    text = (
-        f"eager's own noise floor {floor:.1e}: the largest loss difference of eager against itself with every weight "
-        f"moved by one ulp ({len(report['noise_floors'])} seeds, the same steps)"
-    )
-    if (gradients := report.get("gradient_floor")) is not None:
-        text += f"; their step-1 gradients {gradients:.1e} from eager's"
-    if report.get("chaotic"):
-        text += (
-            f"; over {parity.CHAOTIC_FLOOR:.0e}: a chaotic model, whose loss after a few steps depends on the last "
-            "bit of its weights"
-        )
-    for precision, low in report.get("precision_floors", {}).items():
-        grads = f"{low['step1_grads']:.1e}" if low["step1_grads"] is not None else "-"
-        text += (
-            f"\n{precision} rows are held to eager {precision}'s own distance from eager fp32: loss {low['loss']:.1e}, "
-            f"step-1 gradients {grads}"
-        )
-    return text
-
-
-def _table(report: dict[str, Any]) -> Table:
-    caption = [_floor_text(report), *([RANDOM_FORWARD] if report["random_forward"] else [])]
-    table = Table(
-        title=f"ortflow-check: {report['model']} ({report['steps']} steps, dropout off)", caption="\n".join(caption)
-    )
-    columns = ("accel", "precision", "trains", "executed by", "loss vs eager", "step-1 grads vs eager", "verdict")
-    columns = (*columns, "step ms")
-    for column in (*columns, "first step s", "graph fixes"):
-        table.add_column(column)
-    for r in report["rows"]:
-        if not r["trains"]:
-            reason = "[red]no[/red]: " + r.get("reason", r.get("executed_by", ""))
-            table.add_row(r["mode"], r.get("precision", FP32), reason, "", "", "", "", "", "", "")
-            continue
-        loss = r.get("max_rel_loss_diff")
-        grads = r.get("grad_rel_diff")
-        table.add_row(
-            r["mode"],
-            r.get("precision", FP32),
-            "[green]yes[/green]",
-            r["executed_by"],
-            "reference" if r["mode"] == "none" else (f"{loss:.1e}" if loss is not None else "-"),
-            "reference" if r["mode"] == "none" else (f"{grads:.1e}" if grads is not None else "-"),
-            "reference" if r["mode"] == "none" else r.get("verdict", "-"),
-            f"{r['step_ms']:.1f}",
-            f"{r['first_step_s']:.2f}",
-            ", ".join(f"{k}={v}" for k, v in r["graph_fixes"].items()) or "-",
-        )
-    return table
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -277,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         except OrtflowError as err:
             print(f"ortflow-check: error: {err}", file=sys.stderr)
             sys.exit(2)
-    Console(width=None if sys.stdout.isatty() else 200).print(_table(report))
+    Console(width=None if sys.stdout.isatty() else 200).print(table(report))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str))
     print(f"log: {out.with_suffix('.log')}")

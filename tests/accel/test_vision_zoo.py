@@ -5,7 +5,7 @@
 import pytest
 import torch
 
-from ortflow.cli.check import check, without_dropout
+from ortflow.check.modes import check, without_dropout
 from tests.accel.test_vision_engines import BATCH, assert_ort_trained, train_both
 from tests.conftest import REPO
 from tests.helpers.vision_zoo import Segmentation

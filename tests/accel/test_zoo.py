@@ -3,7 +3,7 @@ batches): it trains with loss parity against eager, or the mode refuses it with 
 
 import pytest
 
-from ortflow.cli.check import check
+from ortflow.check.modes import check
 from ortflow.errors import OrtflowError
 from tests.conftest import REPO
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ortflow.api import load_run, train
-from ortflow.cli.check import check
+from ortflow.check.modes import check
 from ortflow.errors import CheckpointError, ConfigError
 from tests.model.test_hf import RTOL
 

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from ortflow.cli.check import check
+from ortflow.check.modes import check
 from ortflow.errors import ModelError
 from ortflow.model.hf import build_hf_model
 from ortflow.validate import problems

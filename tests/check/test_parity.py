@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from ortflow.cli import parity
-from ortflow.cli.check import check
+from ortflow.check import parity
+from ortflow.check.modes import check
 from tests.conftest import REPO
 
 DIGITS = ["data=digits", "data.batch_size=32"]
@@ -88,7 +88,7 @@ def test_differing_gradients_show_eagers_own_gradient_noise():
     )
 
 
-# torchvision regnet_y_400mf at 32x32, batch 8 (ortflow/cli/parity.py): ORTModule's step-1 gradients 1.5e-2 from
+# torchvision regnet_y_400mf at 32x32, batch 8 (ortflow/check/parity.py): ORTModule's step-1 gradients 1.5e-2 from
 # eager's (the fp64 gradient with one ReLU mask flipped), eager's own with one-ulp weights up to 5.4e-2.
 @pytest.mark.parametrize(
     ("row", "floor", "says"),
@@ -126,7 +126,7 @@ def test_a_gradient_floor_under_the_tolerance_leaves_the_gate_at_the_tolerance()
 
 def test_stochastic_depth_is_switched_off_with_dropout():
     ops = pytest.importorskip("torchvision.ops")
-    from ortflow.cli.check import without_dropout
+    from ortflow.check.modes import without_dropout
 
     model = without_dropout(nn.Sequential(ops.StochasticDepth(0.2, "row"), nn.Dropout(0.1)))
     assert model[0].p == 0.0 and model[1].p == 0.0
