@@ -1,5 +1,6 @@
 """ONNX ops ORT 1.19 cannot differentiate, made trainable by ortflow's graph fixes: the gradients it gives ORT
-(accel/graph/onnx_gradients.py). Each op alone, in the forms torch's exporter or a hand-written graph uses, is
+(accel/graph/onnx_gradients.py) and the decompositions into ops ORT differentiates (DepthToSpace in
+accel/graph/decompositions.py). Each op alone, in the forms torch's exporter or a hand-written graph uses, is
 fixed, differentiated by generate_artifacts and run one training-API step, against torch's autograd on the same
 values."""
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.accel.graph import onnx_gradients
+from ortflow.accel.graph import decompositions, onnx_gradients
 
 Fix = Callable[[onnx.ModelProto], int]
 
@@ -181,3 +182,18 @@ def test_nodes_on_integers_are_left_alone():
     )
     assert onnx_gradients.prepare(model) == 0
     assert [n.op_type for n in model.graph.node] == ["CumSum"]
+
+
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_depth_to_space_is_decomposed_for_both_modes(mode):
+    node = helper.make_node("DepthToSpace", ["x"], ["y"], blocksize=2, mode=mode)
+
+    def depth_to_space(t: torch.Tensor) -> torch.Tensor:
+        if mode == "CRD":
+            return torch.pixel_shuffle(t, 2)
+        n, c, h, w = t.shape  # DCR: the block index before the channel
+        blocks = t.reshape(n, 2, 2, c // 4, h, w).permute(0, 3, 4, 1, 5, 2)
+        return blocks.reshape(n, c // 4, h * 2, w * 2)
+
+    x = values((2, 8, 3, 5))
+    assert_trains_as_torch(node, depth_to_space, {"x": x}, decompositions.decompose_ops_without_gradient)
