@@ -3,10 +3,10 @@ apply to every exported forward graph, `graph_fixes.ops_without_gradient_decompo
 
 ORT registers no gradient builder for these ops ("The gradient builder has not been registered: HardSwish"; the
 full list, measured: docs/ort-gradients.md, `python -m ortflow.accel.graph.gradient_survey`), so torchvision's
-MobileNetV3 (nn.Hardswish, nn.Hardsigmoid), SELU networks, Mish (Softplus) and sub-pixel upsampling
-(nn.PixelShuffle) could not train. Each rewrite computes the op's ONNX definition with ops ORT differentiates
-(Clip, Mul, Add, Exp, Log, Where, Min, Relu, Reshape, Transpose), so the graph stays torch-free (the artifacts
-engine needs no torch at training time). Exponentials take `Min(x, 0)` (or `Min(x, threshold)`) so that the
+MobileNetV3 (nn.Hardswish, nn.Hardsigmoid), SELU networks, Mish (Softplus), sub-pixel upsampling (nn.PixelShuffle)
+and einsums could not train. Each rewrite computes the op's ONNX definition with ops ORT differentiates (Clip, Mul,
+Add, Exp, Log, Where, Min, Relu, Reshape, Transpose, MatMul), so the graph stays torch-free (the artifacts engine
+needs no torch at training time). Exponentials take `Min(x, 0)` (or `Min(x, threshold)`) so that the
 branch Where discards never overflows: an infinite value there would turn its zero gradient into NaN.
 
 | ONNX op (torch layer) | written as |
@@ -19,6 +19,7 @@ branch Where discards never overflows: an infinite value there would turn its ze
 | Softplus (nn.Softplus, nn.Mish) | Where(x > 20, x, Log(Exp(Min(x, 20)) + 1)), torch's own threshold |
 | PRelu(x, slope) (nn.PReLU) | Relu(x) - slope * Relu(-x) |
 | DepthToSpace(blocksize, mode) (nn.PixelShuffle) | Reshape, Transpose, Reshape: ONNX's own definition of it |
+| Einsum(equation) (torch.einsum) | Transpose, ReduceSum, Reshape, MatMul (accel/graph/einsum.py); not diagonals |
 
 The ops with no exact rewrite in ops ORT differentiates (Atan, CumSum, ReduceMax, ...) get a gradient of ortflow's
 instead: accel/graph/onnx_gradients.py.
@@ -30,6 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ortflow.accel.graph import einsum
 from ortflow.accel.graph.onnx_values import value_types
 
 Emit = Callable[[str, list[str], dict], str]  # (op, inputs, attributes) -> output name
@@ -65,9 +67,11 @@ def _depth_to_space(node: onnx.NodeProto, emit: Emit, ints: Ints) -> str:
     return emit("Reshape", [moved, merged], {})
 
 
-def _write(node: onnx.NodeProto, emit: Emit, const: Callable[[float], str], ints: Ints) -> str | None:
+def _write(
+    node: onnx.NodeProto, emit: Emit, const: Callable[[float], str], ints: Ints, ranks: list[int | None]
+) -> str | None:
     """The decomposition of `node`, returning the name of the value that replaces its output (None: not one of
-    ours)."""
+    ours, or a form of it left as it is). `ranks`: its inputs' ranks where known."""
     x = node.input[0]
     op = node.op_type
     if op == "HardSigmoid":
@@ -96,10 +100,21 @@ def _write(node: onnx.NodeProto, emit: Emit, const: Callable[[float], str], ints
         return emit("Sub", [emit("Relu", [x], {}), emit("Mul", [slope, negative], {})], {})
     if op == "DepthToSpace":
         return _depth_to_space(node, emit, ints)
+    if op == "Einsum":
+        equation = next((a.s.decode() for a in node.attribute if a.name == "equation"), "")
+        if (parsed := einsum.parse(equation, ranks)) is None:
+            return None
+        return einsum.decompose(list(node.input), *parsed, emit, ints)
     return None
 
 
-OPS = ("HardSigmoid", "HardSwish", "Elu", "Selu", "Celu", "Softplus", "PRelu", "DepthToSpace")
+OPS = ("HardSigmoid", "HardSwish", "Elu", "Selu", "Celu", "Softplus", "PRelu", "DepthToSpace", "Einsum")
+
+
+def _rank(type_: onnx.TypeProto | None) -> int | None:
+    if type_ is None or not type_.tensor_type.HasField("shape"):
+        return None
+    return len(type_.tensor_type.shape.dim)
 
 
 def decompose_ops_without_gradient(model: onnx.ModelProto) -> int:
@@ -136,7 +151,11 @@ def decompose_ops_without_gradient(model: onnx.ModelProto) -> int:
             written.append(helper.make_node("Constant", [], [out], name=out, value=tensor))
             return out
 
-        result = _write(node, emit, const, ints)
+        ranks = [_rank(types.get(name)) for name in node.input]
+        result = _write(node, emit, const, ints, ranks)
+        if result is None:  # a form without a decomposition: ORT refuses it as before
+            nodes.append(node)
+            continue
         last = next(n for n in reversed(written) if result in n.output)
         last.output[0] = node.output[0]  # the last op writes the original output
         nodes.extend(written)

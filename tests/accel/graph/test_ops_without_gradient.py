@@ -1,5 +1,5 @@
 """ONNX ops ORT 1.19 cannot differentiate, made trainable by ortflow's graph fixes: the gradients it gives ORT
-(accel/graph/onnx_gradients.py) and the decompositions into ops ORT differentiates (DepthToSpace in
+(accel/graph/onnx_gradients.py) and the decompositions into ops ORT differentiates (DepthToSpace, Einsum in
 accel/graph/decompositions.py). Each op alone, in the forms torch's exporter or a hand-written graph uses, is
 fixed, differentiated by generate_artifacts and run one training-API step, against torch's autograd on the same
 values."""
@@ -197,3 +197,34 @@ def test_depth_to_space_is_decomposed_for_both_modes(mode):
 
     x = values((2, 8, 3, 5))
     assert_trains_as_torch(node, depth_to_space, {"x": x}, decompositions.decompose_ops_without_gradient)
+
+
+EINSUMS = {
+    "bij,bkj->bik": ((2, 5, 4), (2, 3, 4)),  # attention scores
+    "bij,jk->bik": ((2, 5, 4), (4, 3)),
+    "bhqd,bhkd->bhqk": ((2, 3, 4, 5), (2, 3, 6, 5)),
+    "...ij,...jk->...ik": ((2, 3, 4), (2, 4, 5)),
+    "...ij,jk": ((2, 3, 4), (4, 5)),  # implicit output, an ellipsis on one side
+    "i,j->ij": ((3,), (4,)),  # outer product: nothing contracted
+    "ij,ij->i": ((3, 4), (3, 4)),  # row-wise dot product: i kept by both
+    "bij,bj->b": ((2, 3, 4), (2, 4)),  # i summed out of the first operand alone
+    "ij->ji": ((3, 4),),
+    "bij->bj": ((2, 3, 4),),
+}
+
+
+@pytest.mark.parametrize("equation", list(EINSUMS))
+def test_einsum_is_decomposed_into_matmuls(equation):
+    node = helper.make_node("Einsum", [f"x{i}" for i in range(len(EINSUMS[equation]))], ["y"], equation=equation)
+    params = {f"x{i}": values(shape, seed=i) for i, shape in enumerate(EINSUMS[equation])}
+    fn = lambda *ts: torch.einsum(equation, *ts)  # noqa: E731
+    assert_trains_as_torch(node, fn, params, decompositions.decompose_ops_without_gradient)
+
+
+def test_an_einsum_taking_a_diagonal_is_left_to_be_refused():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])
+    graph = helper.make_graph([helper.make_node("Einsum", ["x"], ["y"], equation="ii->i")], "g", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    assert decompositions.decompose_ops_without_gradient(model) == 0
+    assert [n.op_type for n in model.graph.node] == ["Einsum"]
