@@ -7,13 +7,17 @@ ORT's gradient builder consults the gradient registry ORTModule uses for its ATe
 outputs and output gradients (I(k), O(k), GO(k)), never its attributes. So each definition below is written for
 one form of its op, and `prepare` rewrites every node into that form first:
 
-- Atan (torch.atan): dY / (X * X + 1), torch's formula. Any node.
+- Atan, Tan, Asin, Acos: dY / (X * X + 1), dY * (Y * Y + 1), dY / sqrt(1 - X * X), -dY / sqrt(1 - X * X), as
+  torch computes them. Any node.
 - Floor, Ceil, Round, Sign: zeros, as torch's. Any node.
 - CumSum (torch.cumsum): CumSum(dY, axis, reverse=1), for exclusive=0, reverse=0 (torch's export). Other nodes
   become that CumSum between Gathers reversing the axis and a Pad shifting it by one (exact: the same sums).
 - ReduceMax, ReduceMin (amax/amin, max(), max(dim)): (dY / count) * (X == Y), the count over the reduced axes
   (those where Y's shape is 1), torch's amax gradient (tied elements share it), for keepdims=1. keepdims=0 nodes
   become keepdims=1 and a Squeeze of the reduced axes.
+
+ReduceLogSumExp (torch.logsumexp) has an ORT gradient builder that breaks on keepdims=0; its nodes get the same
+keepdims rewrite, and ORT's own gradient.
 
 torch's max(dim) (and min(dim)) gives the whole gradient to the one index it returns where several elements tie;
 here they share it, as amax does. Without ties (real data) both are the same.
@@ -49,6 +53,33 @@ def atan_gradient() -> list[tuple]:
         ("Add", ["square", "one"], ["denominator"]),
         ("Div", ["GO(0)", "denominator"], ["GI(0)"]),
     ]
+
+
+def tan_gradient() -> list[tuple]:
+    return [
+        *_scalar("one", 1.0),
+        ("Mul", ["O(0)", "O(0)"], ["square"]),
+        ("Add", ["square", "one"], ["slope"]),
+        ("Mul", ["GO(0)", "slope"], ["GI(0)"]),
+    ]
+
+
+def _arcsine_slope() -> list[tuple]:
+    """sqrt(1 - X * X), the denominator of asin's and acos's derivatives."""
+    return [
+        *_scalar("one", 1.0),
+        ("Mul", ["I(0)", "I(0)"], ["square"]),
+        ("Sub", ["one", "square"], ["rest"]),
+        ("Sqrt", ["rest"], ["root"]),
+    ]
+
+
+def asin_gradient() -> list[tuple]:
+    return [*_arcsine_slope(), ("Div", ["GO(0)", "root"], ["GI(0)"])]
+
+
+def acos_gradient() -> list[tuple]:
+    return [*_arcsine_slope(), ("Neg", ["GO(0)"], ["minus"]), ("Div", ["minus", "root"], ["GI(0)"])]
 
 
 def zero_gradient() -> list[tuple]:
@@ -90,6 +121,9 @@ def extremum_gradient() -> list[tuple]:
 
 GRADIENTS: dict[str, Definition] = {
     "Atan": atan_gradient,
+    "Tan": tan_gradient,
+    "Asin": asin_gradient,
+    "Acos": acos_gradient,
     "Floor": zero_gradient,
     "Ceil": zero_gradient,
     "Round": zero_gradient,
@@ -98,6 +132,12 @@ GRADIENTS: dict[str, Definition] = {
     "ReduceMax": extremum_gradient,
     "ReduceMin": extremum_gradient,
 }
+
+
+# Ops ORT has a gradient builder for that fails on keepdims=0 ("Unsqueeze_1 has input size 1 not in range [min=2,"
+# from opset 13 on): rewritten into keepdims=1 and a Squeeze as ReduceMax is, ORT's own gradient then holds.
+KEEPDIMS_FOR_ORT = ("ReduceLogSumExp",)
+_KEEPDIMS = ("ReduceMax", "ReduceMin", *KEEPDIMS_FOR_ORT)
 
 
 def register_gradients() -> None:
@@ -186,9 +226,9 @@ def _cumsum(node: onnx.NodeProto, constants: dict[str, np.ndarray], rank: int | 
     return w.nodes
 
 
-def _extremum(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> list[onnx.NodeProto]:
-    """A ReduceMax/ReduceMin with keepdims=0 as one with keepdims=1 (its gradient's form) and a Squeeze of its
-    reduced axes (all of them when it reduces every axis)."""
+def _keep_dims(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> list[onnx.NodeProto]:
+    """A reduction with keepdims=0 as one with keepdims=1 (its gradient's form) and a Squeeze of its reduced axes
+    (all of them when it reduces every axis)."""
     axes = _ints("axes", node)
     if axes is None and len(node.input) > 1 and node.input[1]:  # opset 18: the axes are an input
         known = constants.get(node.input[1])
@@ -218,11 +258,12 @@ _FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorP
 
 
 def prepare(model: onnx.ModelProto) -> int:
-    """Rewrite every node of GRADIENTS' ops on floating-point values into the form its gradient is written for;
-    returns how many such nodes the graph holds (ORT differentiates them by ortflow's definitions where they lie on
+    """Rewrite every node of GRADIENTS' ops (and of KEEPDIMS_FOR_ORT's) on floating-point values into the form its
+    gradient is written for; returns how many such nodes the graph holds (ORT differentiates them where they lie on
     a trainable path). Nodes on integers (a cumulative sum of an attention mask) are left as they are."""
     graph = model.graph
-    if not any(n.op_type in GRADIENTS and n.domain in ("", "ai.onnx") for n in graph.node):
+    ours = (*GRADIENTS, *KEEPDIMS_FOR_ORT)
+    if not any(n.op_type in ours and n.domain in ("", "ai.onnx") for n in graph.node):
         return 0
     types = value_types(model)
     constants = _constants(graph)
@@ -231,15 +272,15 @@ def prepare(model: onnx.ModelProto) -> int:
     for node in graph.node:
         type_ = types.get(node.input[0]) if node.input else None
         elem = type_.tensor_type.elem_type if type_ is not None else TensorProto.UNDEFINED
-        if node.op_type not in GRADIENTS or node.domain not in ("", "ai.onnx") or elem not in (*_FLOATS, 0):
+        if node.op_type not in ours or node.domain not in ("", "ai.onnx") or elem not in (*_FLOATS, 0):
             nodes.append(node)
             continue
         count += 1
         if node.op_type == "CumSum" and (_int("exclusive", node, 0) or _int("reverse", node, 0)):
             has_shape = type_ is not None and type_.tensor_type.HasField("shape")
             nodes.extend(_cumsum(node, constants, len(type_.tensor_type.shape.dim) if has_shape else None))
-        elif node.op_type in ("ReduceMax", "ReduceMin") and not _int("keepdims", node, 1):
-            nodes.extend(_extremum(node, constants))
+        elif node.op_type in _KEEPDIMS and not _int("keepdims", node, 1):
+            nodes.extend(_keep_dims(node, constants))
         else:
             nodes.append(node)
     del graph.node[:]
