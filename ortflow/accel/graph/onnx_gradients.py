@@ -142,7 +142,8 @@ _KEEPDIMS = ("ReduceMax", "ReduceMin", *KEEPDIMS_FOR_ORT)
 
 def register_gradients() -> None:
     """Give ORT every definition of GRADIENTS (idempotent; ORTModule publishes the registry again when it is built).
-    Imports ORTModule (the torch patches first)."""
+    The registry is the process's: any graph ORT differentiates afterwards gets these definitions, so a graph must
+    have been through `prepare` first (both engines' graph fixes). Imports ORTModule (the torch patches first)."""
     for op_type, definition in GRADIENTS.items():
         ort.register_onnx_gradient(op_type, definition)
 
