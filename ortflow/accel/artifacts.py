@@ -24,7 +24,7 @@ from torch import nn
 from ortflow.accel import failures
 from ortflow.accel.compat import export_warnings, ort, torch_onnx, versions
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
-from ortflow.accel.graph import aten_nodes, batchnorm, symbolics
+from ortflow.accel.graph import aten_nodes, batchnorm, onnx_gradients, symbolics
 from ortflow.accel.graph.rewrites import MaskSampler, Rewrites, prepare_training_graph
 from ortflow.accel.none import debug_problems
 from ortflow.config import BF16, OptimConfig, OptimName
@@ -262,6 +262,8 @@ class ArtifactsEngine:
         example_feeds = {name: t.numpy() for name, t in zip(names, args, strict=True)}
         self.graph_fixes, self.masks = prepare_training_graph(forward, accel.rewrites(), example_feeds)
         self.graph_fixes.update(aten_nodes.graph_fixes(torch_nodes))
+        if self.graph_fixes.get("ops_given_ort_gradients"):
+            onnx_gradients.register_gradients()  # ORT's gradients of the ops it has no builder for
         self.sampler = MaskSampler(self.masks)
         self.eval_masks = [np.ones(m.shape, m.dtype) for m in self.masks]  # evaluation keeps every unit
         params = dict(model.named_parameters())

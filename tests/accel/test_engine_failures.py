@@ -26,7 +26,7 @@ class Body(nn.Module):
         x = self.conv(x)
         if self.op == "channel_shuffle":
             return self.shuffle(x)
-        return torch.cumsum(x, dim=1) if self.op == "cumsum" else torch.relu(x)
+        return x * x.prod(dim=1, keepdim=True) if self.op == "prod" else torch.relu(x)
 
 
 class Net(nn.Module):
@@ -60,8 +60,8 @@ def test_an_op_the_exporter_cannot_export_is_named_with_its_module(kind, tmp_pat
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_op_without_an_ort_gradient_is_named_with_its_module(kind, tmp_path):
-    message = failure(kind, "cumsum", tmp_path)
-    assert "the ONNX op CumSum of module body (Body)" in message
+    message = failure(kind, "prod", tmp_path)
+    assert "the ONNX op ReduceProd of module body (Body)" in message
     assert "has no gradient" in message and "docs/ort-gradients.md" in message
 
 
@@ -87,9 +87,9 @@ def test_a_kernel_raising_at_step_time_is_named_with_its_module(kind, tmp_path, 
 
 def test_the_command_line_exits_2_with_the_paragraph_and_records_it(tmp_path, ortflow_cli, monkeypatch):
     monkeypatch.syspath_prepend(USER_ENV["PYTHONPATH"].split(":")[0])
-    args = [*custom_model("build_cumsum"), *TINY[4:], "accel=artifacts", "hydra.run.dir=r"]
+    args = [*custom_model("build_product"), *TINY[4:], "accel=artifacts", "hydra.run.dir=r"]
     status, stderr = ortflow_cli(*args, cwd=tmp_path)
     assert status == 2 and "Traceback" not in stderr
-    assert "the ONNX op CumSum of module 1 (RunningSum)" in stderr
+    assert "the ONNX op ReduceProd of module 1 (Product)" in stderr
     run = json.loads((tmp_path / "r" / "run.json").read_text())
-    assert run["status"] == "failed" and "CumSum" in run["error"]
+    assert run["status"] == "failed" and "ReduceProd" in run["error"]

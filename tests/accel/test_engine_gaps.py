@@ -2,11 +2,21 @@
 convolutions oneDNN is picky about (squeeze-excitation's 1x1 maps). Each trains at parity with eager PyTorch in both
 ORT engines, proven executed by ORT's own run counters. Tiny models, batch 8."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
-from tests.accel.test_vision_engines import BATCH, CLASSES, RTOL, assert_ort_trained, images, train_both
+from tests.accel.test_vision_engines import (
+    BATCH,
+    CLASSES,
+    RTOL,
+    assert_ort_trained,
+    images,
+    make_engine,
+    train_both,
+)
 
 KINDS = ["ortmodule", "artifacts"]
 
@@ -76,6 +86,76 @@ def test_activations_without_an_ort_gradient_train_by_exact_decompositions(kind,
     assert_ort_trained(engine, len(batches))
     # Softplus twice: nn.Softplus and inside nn.Mish
     assert engine.describe()["graph_fixes"]["ops_without_gradient_decomposed"] == 8
+
+
+class OpsWithoutAnOrtGradient(nn.Module):
+    """A conv stem, one op ORT 1.19 cannot differentiate (docs/ort-gradients.md), a pooled linear head."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)  # 16 -> 8
+        if op == "einsum":
+            self.mix = nn.Parameter(torch.randn(8, 8) / 3)
+        self.body = nn.Conv2d(2 if op == "pixel_shuffle" else 8, 8, 1)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        if self.op == "atan/tan/asin/acos":
+            inside = torch.tanh(y) * 0.9
+            y = torch.atan(y) + torch.tan(inside) + torch.asin(inside) + torch.acos(inside)
+        elif self.op == "floor/round/sign":  # zero gradients: only y's own path reaches the stem
+            y = y + y.floor() + y.round() * 0.5 + y.sign()
+        elif self.op == "cumsum":
+            y = y.cumsum(dim=2)
+        elif self.op == "pixel_shuffle":
+            y = nn.functional.pixel_shuffle(y, 2)  # (B, 8, 8, 8) -> (B, 2, 16, 16)
+        elif self.op == "amax/amin/logsumexp":
+            y = y - y.amax(dim=1, keepdim=True) + y.amin(dim=(2, 3)).unsqueeze(-1).unsqueeze(-1)
+            y = y + torch.logsumexp(y, dim=1).unsqueeze(1)
+        elif self.op == "max(dim)":  # its indices too (ArgMax: integers, nothing to differentiate)
+            top, where = y.max(dim=1, keepdim=True)
+            y = y * top + where.float()
+        elif self.op == "einsum":  # a 1x1 convolution (an ellipsis) and a Gram matrix, written as einsums
+            y = torch.einsum("bc...,dc->bd...", y, self.mix)
+            y = torch.einsum("bcn,bdn->bcd", y.flatten(2), y.flatten(2)).unsqueeze(-1) / 64
+        return self.head(self.body(y).mean(dim=(2, 3)))
+
+
+# op -> the graph fix that makes it trainable. ORTModule exports max(dim) as an ATen node of its own (torch's
+# gradient) and two-operand einsums without an ellipsis as MatMuls (its symbolics): that one needs no fix there.
+OPS_WITHOUT_AN_ORT_GRADIENT = {
+    "atan/tan/asin/acos": "ops_given_ort_gradients",
+    "floor/round/sign": "ops_given_ort_gradients",
+    "cumsum": "ops_given_ort_gradients",
+    "pixel_shuffle": "ops_without_gradient_decomposed",
+    "amax/amin/logsumexp": "ops_given_ort_gradients",
+    "max(dim)": "ops_given_ort_gradients",
+    "einsum": "ops_without_gradient_decomposed",
+}
+ORTMODULE_HAS_ITS_OWN = {"max(dim)"}
+
+
+@pytest.mark.parametrize("op", list(OPS_WITHOUT_AN_ORT_GRADIENT))
+@pytest.mark.parametrize("kind", KINDS)
+def test_ops_without_an_ort_gradient_train_at_eagers_loss_and_gradients(kind, op, tmp_path):
+    from ortflow.cli import parity
+
+    batches = images(3)
+    torch.manual_seed(0)
+    model = OpsWithoutAnOrtGradient(op)
+    eager = make_engine("none", copy.deepcopy(model), batches[0], tmp_path)
+    engine = make_engine(kind, model, batches[0], tmp_path)
+    want_grads, got_grads = parity.capture_step_one(eager, batches[0]), parity.capture_step_one(engine, batches[0])
+    expected = [eager.train_step(x, y) for x, y in batches]
+    got = [engine.train_step(x, y) for x, y in batches]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
+    want, have = want_grads(), got_grads()
+    assert want.keys() == have.keys() and parity.gradient_difference(have, want) < RTOL[kind]
+    assert_ort_trained(engine, len(batches))
+    if not (kind == "ortmodule" and op in ORTMODULE_HAS_ITS_OWN):
+        assert engine.describe()["graph_fixes"][OPS_WITHOUT_AN_ORT_GRADIENT[op]] >= 1
 
 
 class Upsampling(nn.Module):

@@ -148,15 +148,14 @@ def build_batchnorm_mlp(num_classes: int = 10, width: int = 32) -> nn.Module:
     return nn.Sequential(nn.Linear(64, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, num_classes))
 
 
-class RunningSum(nn.Module):
-    """A cumulative sum over the sequence: its ONNX op, CumSum, has no gradient in ONNX Runtime 1.19."""
+class Product(nn.Module):
+    """Each position scaled by the product of its features: its ONNX op, ReduceProd, has no gradient in ONNX
+    Runtime 1.19."""
 
     def forward(self, x):
-        import torch
-
-        return torch.cumsum(x, dim=1)
+        return x * x.prod(dim=-1, keepdim=True)
 
 
-def build_cumsum(vocab_size: int, width: int) -> nn.Module:
-    """A bigram model with a running sum between its embedding and its head (module `1`)."""
-    return nn.Sequential(nn.Embedding(vocab_size, width), RunningSum(), nn.Linear(width, vocab_size))
+def build_product(vocab_size: int, width: int) -> nn.Module:
+    """A bigram model with a feature product between its embedding and its head (module `1`)."""
+    return nn.Sequential(nn.Embedding(vocab_size, width), Product(), nn.Linear(width, vocab_size))

@@ -31,10 +31,23 @@ def register_ort_gradient(operator: str, overload: str, definition) -> None:
     (ORTModule's custom gradient registry, the format of its _custom_gradient_registry.py), and publish the registry
     to ORT's C++ side (ORTModule publishes it again when it is built; the artifacts engine needs it before
     generate_artifacts). Imports ORTModule (the torch patches first)."""
+    _register("org.pytorch.aten", "ATen", (operator, overload), definition)
+
+
+def register_onnx_gradient(op_type: str, definition, domain: str = "") -> None:
+    """Give ORT's gradient builder the gradient `definition()` of every `domain::op_type` node: a standard ONNX op
+    ORT has no gradient builder for (same registry and format as `register_ort_gradient`). ORT keys these
+    definitions by domain and op type only: a definition cannot read the node's attributes, so it must hold for
+    every attribute value the graphs it sees use. Both ORTModule and generate_artifacts consult the registry.
+    Imports ORTModule (the torch patches first)."""
+    _register(domain, op_type, (), definition)
+
+
+def _register(domain: str, name: str, attributes: tuple[str, ...], definition) -> None:
     prepare()
     from onnxruntime.training.ortmodule._custom_gradient_registry import CustomGradientRegistry
 
-    CustomGradientRegistry.register("org.pytorch.aten", "ATen", (operator, overload), definition)
+    CustomGradientRegistry.register(domain, name, attributes, definition)
     CustomGradientRegistry.register_all()
 
 

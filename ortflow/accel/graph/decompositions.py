@@ -1,13 +1,13 @@
 """ONNX ops ONNX Runtime 1.19 cannot differentiate, written out exactly in ops it can (a graph fix both ORT engines
 apply to every exported forward graph, `graph_fixes.ops_without_gradient_decomposed`).
 
-ORT registers no gradient builder for these activations ("The gradient builder has not been registered:
-HardSwish"; the full list, measured: docs/ort-gradients.md, `python -m ortflow.accel.graph.gradient_survey`), so
-torchvision's MobileNetV3 (nn.Hardswish, nn.Hardsigmoid), SELU networks and Mish (Softplus) could not train. Each
-rewrite computes the op's ONNX definition with ops ORT differentiates (Clip, Mul, Add, Exp, Log, Where, Min, Relu),
-so the graph stays torch-free (the artifacts engine needs no torch at training time). Exponentials take
-`Min(x, 0)` (or `Min(x, threshold)`) so that the branch Where discards never overflows: an infinite value there
-would turn its zero gradient into NaN.
+ORT registers no gradient builder for these ops ("The gradient builder has not been registered: HardSwish"; the
+full list, measured: docs/ort-gradients.md, `python -m ortflow.accel.graph.gradient_survey`), so torchvision's
+MobileNetV3 (nn.Hardswish, nn.Hardsigmoid), SELU networks, Mish (Softplus), sub-pixel upsampling (nn.PixelShuffle)
+and einsums could not train. Each rewrite computes the op's ONNX definition with ops ORT differentiates (Clip, Mul,
+Add, Exp, Log, Where, Min, Relu, Reshape, Transpose, MatMul), so the graph stays torch-free (the artifacts engine
+needs no torch at training time). Exponentials take `Min(x, 0)` (or `Min(x, threshold)`) so that the
+branch Where discards never overflows: an infinite value there would turn its zero gradient into NaN.
 
 | ONNX op (torch layer) | written as |
 |---|---|
@@ -18,16 +18,24 @@ would turn its zero gradient into NaN.
 | Celu(alpha) (nn.CELU) | Where(x > 0, x, alpha * (Exp(Min(x, 0) / alpha) - 1)) |
 | Softplus (nn.Softplus, nn.Mish) | Where(x > 20, x, Log(Exp(Min(x, 20)) + 1)), torch's own threshold |
 | PRelu(x, slope) (nn.PReLU) | Relu(x) - slope * Relu(-x) |
+| DepthToSpace(blocksize, mode) (nn.PixelShuffle) | Reshape, Transpose, Reshape: ONNX's own definition of it |
+| Einsum(equation) (torch.einsum) | Transpose, ReduceSum, Reshape, MatMul (accel/graph/einsum.py); not diagonals |
+
+The ops with no exact rewrite in ops ORT differentiates (Atan, CumSum, ReduceMax, ...) get a gradient of ortflow's
+instead: accel/graph/onnx_gradients.py.
 """
 
 from collections.abc import Callable
 
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
+from ortflow.accel.graph import einsum
 from ortflow.accel.graph.onnx_values import value_types
 
 Emit = Callable[[str, list[str], dict], str]  # (op, inputs, attributes) -> output name
+Ints = Callable[[list[int]], str]  # an int64 constant -> its name
 
 
 def _attr(node: onnx.NodeProto, name: str, default: float) -> float:
@@ -42,9 +50,28 @@ def _elu(emit: Emit, const: Callable[[float], str], x: str, alpha: float, scale_
     return emit("Where", [emit("Greater", [x, const(0.0)], {}), x, curve], {})
 
 
-def _write(node: onnx.NodeProto, emit: Emit, const: Callable[[float], str]) -> str | None:
+def _depth_to_space(node: onnx.NodeProto, emit: Emit, ints: Ints) -> str:
+    """ONNX's definition: (N, C*b*b, H, W) viewed as (N, b, b, C, H, W) (mode DCR) or (N, C, b, b, H, W) (CRD),
+    transposed to (N, C, H, b, W, b), viewed as (N, C, H*b, W*b). The sizes come from the input's shape at run time
+    (a batch left dynamic by the export stays so)."""
+    b = next((a.i for a in node.attribute if a.name == "blocksize"), 1)
+    crd = next((a.s for a in node.attribute if a.name == "mode"), b"DCR") == b"CRD"
+    x = node.input[0]
+    shape = emit("Shape", [x], {})
+    n = emit("Slice", [shape, ints([0]), ints([1])], {})
+    hw = emit("Slice", [shape, ints([2]), ints([4])], {})
+    split = emit("Concat", [n, ints([-1, b, b] if crd else [b, b, -1]), hw], {"axis": 0})
+    blocks = emit("Reshape", [x, split], {})
+    moved = emit("Transpose", [blocks], {"perm": [0, 1, 4, 2, 5, 3] if crd else [0, 3, 4, 1, 5, 2]})
+    merged = emit("Concat", [n, ints([-1]), emit("Mul", [hw, ints([b, b])], {})], {"axis": 0})
+    return emit("Reshape", [moved, merged], {})
+
+
+def _write(
+    node: onnx.NodeProto, emit: Emit, const: Callable[[float], str], ints: Ints, ranks: list[int | None]
+) -> str | None:
     """The decomposition of `node`, returning the name of the value that replaces its output (None: not one of
-    ours)."""
+    ours, or a form of it left as it is). `ranks`: its inputs' ranks where known."""
     x = node.input[0]
     op = node.op_type
     if op == "HardSigmoid":
@@ -71,10 +98,23 @@ def _write(node: onnx.NodeProto, emit: Emit, const: Callable[[float], str]) -> s
         slope = node.input[1]
         negative = emit("Relu", [emit("Neg", [x], {})], {})
         return emit("Sub", [emit("Relu", [x], {}), emit("Mul", [slope, negative], {})], {})
+    if op == "DepthToSpace":
+        return _depth_to_space(node, emit, ints)
+    if op == "Einsum":
+        equation = next((a.s.decode() for a in node.attribute if a.name == "equation"), "")
+        if (parsed := einsum.parse(equation, ranks)) is None:
+            return None
+        return einsum.decompose(list(node.input), *parsed, emit, ints)
     return None
 
 
-OPS = ("HardSigmoid", "HardSwish", "Elu", "Selu", "Celu", "Softplus", "PRelu")
+OPS = ("HardSigmoid", "HardSwish", "Elu", "Selu", "Celu", "Softplus", "PRelu", "DepthToSpace", "Einsum")
+
+
+def _rank(type_: onnx.TypeProto | None) -> int | None:
+    if type_ is None or not type_.tensor_type.HasField("shape"):
+        return None
+    return len(type_.tensor_type.shape.dim)
 
 
 def decompose_ops_without_gradient(model: onnx.ModelProto) -> int:
@@ -105,7 +145,17 @@ def decompose_ops_without_gradient(model: onnx.ModelProto) -> int:
             written.append(helper.make_node("Constant", [], [out], name=out, value=tensor))
             return out
 
-        result = _write(node, emit, const)
+        def ints(values: list[int], base=base, written=written) -> str:
+            out = f"{base}/ints_{len(written)}"
+            tensor = numpy_helper.from_array(np.array(values, dtype=np.int64), out)
+            written.append(helper.make_node("Constant", [], [out], name=out, value=tensor))
+            return out
+
+        ranks = [_rank(types.get(name)) for name in node.input]
+        result = _write(node, emit, const, ints, ranks)
+        if result is None:  # a form without a decomposition: ORT refuses it as before
+            nodes.append(node)
+            continue
         last = next(n for n in reversed(written) if result in n.output)
         last.output[0] = node.output[0]  # the last op writes the original output
         nodes.extend(written)

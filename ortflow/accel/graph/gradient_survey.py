@@ -140,6 +140,12 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "reciprocal/neg/sign": (lambda: _Fn(lambda x: (x.abs() + 1).reciprocal() - x * x.sign()), SEQ),
     "atan": (lambda: _Fn(lambda x: torch.atan(x)), SEQ),
     "floor/round (x + ...)": (lambda: _Fn(lambda x: x + x.floor() + x.round()), SEQ),
+    "ceil (x + ...)": (lambda: _Fn(lambda x: x + x.ceil()), SEQ),
+    "tan/asin/acos": (lambda: _Fn(lambda x: x.tanh().tan() + x.tanh().asin() + x.tanh().acos()), SEQ),
+    "fmod": (lambda: _Fn(lambda x: torch.fmod(x, 0.7)), SEQ),
+    "prod": (lambda: _Fn(lambda x: x.prod(dim=1)), SEQ),
+    "logsumexp": (lambda: _Fn(lambda x: torch.logsumexp(x, dim=1)), SEQ),
+    "det": (lambda: _Fn(lambda x: torch.linalg.det(x[:, :4])), SEQ),
     # layers with weights
     "Linear": (lambda: nn.Linear(4, 3), SEQ),
     "Bilinear": (lambda: _Bilinear(), SEQ),

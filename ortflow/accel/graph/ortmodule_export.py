@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from ortflow.accel.compat.ortmodule_patches import ExportHooks
-from ortflow.accel.graph import aten_nodes, aten_shapes, symbolics
+from ortflow.accel.graph import aten_nodes, aten_shapes, onnx_gradients, symbolics
 from ortflow.accel.graph.rewrites import Rewrites, prepare_training_graph
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ class ExportSettings:
 
 def _install() -> None:
     aten_nodes.register_gradients()  # ORTModule publishes ORT's gradient registry when it is built
+    onnx_gradients.register_gradients()  # and the standard ONNX ops ORT has no gradient builder for
     aten_shapes.install()  # the ATen convolutions' output shapes (squeeze-excitation's broadcast gradient)
 
 

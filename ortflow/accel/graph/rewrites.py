@@ -14,7 +14,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.accel.graph import decompositions
+from ortflow.accel.graph import decompositions, onnx_gradients
 from ortflow.accel.graph.batchnorm import batch_statistics_in_place
 from ortflow.accel.graph.onnx_values import value_types
 
@@ -376,6 +376,7 @@ def prepare_training_graph(
         "batchnorm_batch_statistics_in_place": batch_statistics_in_place(model),
         "instance_norm_decomposed": decompose_instance_norms(model),
         "ops_without_gradient_decomposed": decompositions.decompose_ops_without_gradient(model),
+        "ops_given_ort_gradients": onnx_gradients.prepare(model),
     }
     masks = dropout_to_mask_inputs(model, feeds) if rewrites.dropout_masks else []
     fixes |= {"dropout_to_mask_inputs": len(masks), "dropout_mask_outputs": add_dropout_masks(model)}
