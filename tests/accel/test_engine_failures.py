@@ -2,6 +2,7 @@
 user's model that produced it, ORT's reason and what works instead; injected at export, graph build and step time.
 Through the command line: exit status 2, no traceback, run.json `failed` with the reason."""
 
+import importlib
 import json
 
 import pytest
@@ -77,6 +78,8 @@ def test_a_kernel_raising_at_step_time_is_named_with_its_module(kind, tmp_path, 
             raise RuntimeError("injected kernel failure")
         return backward(*args, **kwargs)
 
+    # torch.optim imports torch._dynamo on first use, which reads convolution_backward's overloads: imported first.
+    importlib.import_module("torch._dynamo")
     monkeypatch.setattr(torch.ops.aten, "convolution_backward", raising)
     message = failure(kind, "relu", tmp_path, steps=2)
     assert "run a train" in message or (

@@ -140,7 +140,7 @@ ORTMODULE_HAS_ITS_OWN = {"max(dim)"}
 @pytest.mark.parametrize("op", list(OPS_WITHOUT_AN_ORT_GRADIENT))
 @pytest.mark.parametrize("kind", KINDS)
 def test_ops_without_an_ort_gradient_train_at_eagers_loss_and_gradients(kind, op, tmp_path):
-    from ortflow.cli import parity
+    from ortflow.check import parity
 
     batches = images(3)
     torch.manual_seed(0)
