@@ -96,8 +96,8 @@ class OptunaSweeper(Sweeper):
     def sweep(self, arguments: list[str]) -> None:
         from optuna.trial import TrialState
 
-        from ortflow.run import pruning
         from ortflow.files import read_record
+        from ortflow.run import pruning
 
         fixed, choices = [], {}
         for override in OverridesParser.create().parse_overrides(arguments):
