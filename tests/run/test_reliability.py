@@ -268,16 +268,24 @@ def test_the_processes_ortflow_starts_end_when_it_is_killed(tmp_path):
 @pytest.mark.slow
 def test_a_second_ctrl_c_exits_130_and_the_record_says_interrupted(tmp_path):
     args = [*TINY, "trainer.max_steps=100000", "trainer.log_every=1", "hydra.run.dir=run"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ortflow", *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    _wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").is_file())
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr.decode()[-2000:]
+    # Its output goes to files, not pipes: a line every step would fill a pipe nobody reads until the signals are sent.
+    log = tmp_path / "stderr.txt"
+    with log.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ortflow", *args], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+    try:
+        _wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").is_file())
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, log.read_text()[-2000:]
     assert strict_json(tmp_path / "run" / "run.json")["status"] == "interrupted"
 
 
