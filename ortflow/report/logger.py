@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ortflow.config import LoggerConfig
 from ortflow.files import json_text
+from ortflow.held_signals import holding
 from ortflow.report.terminal import console
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,8 @@ def eval_text(values: dict[str, float]) -> str:
 class RunLogger:
     """Scalars and text to TensorBoard, every log point to <run dir>/metrics.jsonl and ortflow.log, and what a person
     watches: a progress bar on a terminal (step, ETA, loss, lr, samples/s, last eval), or without one (CI, a pipe,
-    a SLURM log) a plain line every `log_every` steps; evaluations print above the bar as they come."""
+    a SLURM log) a plain line every `log_every` steps; evaluations print above the bar as they come. Its methods run
+    with SIGINT and SIGTERM held (`ortflow/held_signals.py`): TensorBoard's writer thread must not lose a wake-up."""
 
     def __init__(
         self,
@@ -70,6 +72,7 @@ class RunLogger:
         self.task = self.progress.add_task("train", total=self.total, completed=self.start, status="")
         self.progress.start()
 
+    @holding
     def header(self, text: str) -> None:
         """The run's one header line (what trains, on what, where the results go), then the bar."""
         log.info("%s", text)
@@ -78,6 +81,7 @@ class RunLogger:
         if self.bar:
             self._start_bar()
 
+    @holding
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.points is not None:
             self.points.write(json_text({"step": step, **values}) + "\n")
@@ -98,6 +102,7 @@ class RunLogger:
             parts.append(f"eval {eval_text({k: v for k, v in self.latest.items() if k.startswith('eval/')})}")
         return "  ".join(parts)
 
+    @holding
     def advance(self, step: int, loss: float, lr: float) -> None:
         """After each step: the bar moves; without a bar, a plain line every log_every steps (and at the end)."""
         if not self.shows:
@@ -111,16 +116,19 @@ class RunLogger:
             eta = (time.monotonic() - self.started) / done * (self.total - step) if done else 0.0
             console().print(f"step {step}/{self.total}  {self._status(loss, lr)}  eta {eta:.0f}s", markup=False)
 
+    @holding
     def text(self, tag: str, text: str) -> None:
         if self.writer is not None:
             # TensorBoard renders text as markdown; a code block keeps YAML/JSON indentation.
             self.writer.add_text(tag, f"```\n{text}\n```", 0)
 
+    @holding
     def hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
         """The run's settings and final metrics for TensorBoard's HPARAMS tab (compare the jobs of a sweep)."""
         if self.writer is not None:
             self.writer.add_hparams(params, {f"final/{k}": v for k, v in metrics.items()}, run_name="hparams")
 
+    @holding
     def close(self) -> None:
         if self.points is not None:
             self.points.close()

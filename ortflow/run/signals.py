@@ -6,7 +6,9 @@ import logging
 import signal
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+
+from ortflow.held_signals import held
 
 log = logging.getLogger(__name__)
 
@@ -84,19 +86,7 @@ def interrupt_on_signals() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-@contextmanager
-def uninterrupted() -> Iterator[None]:
+def uninterrupted() -> AbstractContextManager[None]:
     """While inside (writing how a run ended), SIGINT and SIGTERM wait: a signal that arrives meanwhile is delivered
     once the block is done, so run.json is never left half-updated by a second Ctrl-C."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    previous = {sig: signal.signal(sig, lambda s, _f: pending.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-        for sig in pending[:1]:
-            signal.raise_signal(sig)
+    return held()

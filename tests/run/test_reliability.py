@@ -266,10 +266,6 @@ def test_the_processes_ortflow_starts_end_when_it_is_killed(tmp_path):
 
 
 @pytest.mark.slow
-# Under the whole suite on 2 cores (twice in a row on a Zen 5), the process wrote run.json ("interrupted"), printed
-# its stop and called sys.exit(130), then did not end within 120 s: something keeps the interpreter from shutting
-# down after the second signal (a thread it waits for). Alone, or with a few other tests, it passes every time.
-@pytest.mark.xfail(reason="a second Ctrl-C at the wrong moment can leave the interpreter waiting at exit", strict=False)
 def test_a_second_ctrl_c_exits_130_and_the_record_says_interrupted(tmp_path):
     args = [*TINY, "trainer.max_steps=100000", "trainer.log_every=1", "hydra.run.dir=run"]
     # Its output goes to files, not pipes: a line every step would fill a pipe nobody reads until the signals are sent.
