@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from ortflow.api import register_configs
 from ortflow.paths import config_dir
+from tests.helpers import zygote
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -50,8 +51,12 @@ def make_cfg(*overrides: str) -> DictConfig:
 
 
 def run_cli(*args: str, cwd: Path, timeout: int = 600, env: dict[str, str] | None = None):
-    """Run `python -m ortflow ARGS` from `cwd` (not the checkout) and capture its output."""
+    """Run `python -m ortflow ARGS` from `cwd` (not the checkout) and capture its output. The process is forked from
+    a server that has the imports done (tests/helpers/zygote.py), unless `env` sets variables only a fresh interpreter
+    honours or FRESH_INTERPRETERS is set in the environment."""
     full_env = {**os.environ, **(env or {})}
+    if set(env or {}) <= zygote.HONOURED and not os.environ.get("FRESH_INTERPRETERS"):
+        return zygote.fork_cli(list(args), cwd, full_env, timeout)
     return subprocess.run(
         [sys.executable, "-m", "ortflow", *args],
         cwd=cwd,
