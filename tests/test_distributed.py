@@ -84,6 +84,9 @@ def losses(run_dir: Path) -> list[float]:
 def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(accel, tmp_path):
     two = run_cli(*SMALL, f"accel={accel}", "distributed=ddp", "data.batch_size=8", "hydra.run.dir=two", cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
+    # A rank aborted at interpreter exit ("terminate called") while the teardown was left to interpreter shutdown;
+    # the cause is checked exactly by the thread test below, every DDP run here guards the exit itself.
+    assert "terminate called" not in two.stderr, two.stderr[-3000:]
     one = run_cli(
         *SMALL,
         f"accel={accel}",
@@ -196,20 +199,6 @@ def test_a_ddp_ortmodule_run_leaves_no_threads_to_interpreter_shutdown(tmp_path)
     for line in reports:
         before, after = line.split(" before ")[1].split(" after ")
         assert after == before, line  # e.g. before the fix: + gloo_tcp_loop, 2 pt_gloo_runloop, 2 ORT pool threads
-
-
-@pytest.mark.slow
-def test_ddp_ortmodule_runs_exit_cleanly_every_time(tmp_path):
-    """Every rank exits 0 every time: no "terminate called" at interpreter exit (rank 1 aborted that way in about 1
-    run in 10 on a loaded machine while the teardown was left to interpreter shutdown). The cause is checked exactly
-    by the thread test above; these repeated runs guard the exit itself, each as short as a run with an ORT training
-    step and an ORT eval gets (4 steps): the exit does not depend on the run's length."""
-    short = [*SMALL, "trainer.max_steps=4", "trainer.eval_every=2"]
-    for attempt in range(4):
-        result = run_cli(*short, "accel=ortmodule", "distributed=ddp", f"hydra.run.dir=run{attempt}", cwd=tmp_path)
-        assert result.returncode == 0, f"run {attempt}: " + result.stderr[-3000:]
-        assert "terminate called" not in result.stderr, f"run {attempt}: " + result.stderr[-3000:]
-        assert record(tmp_path / f"run{attempt}")["status"] == "completed"
 
 
 @pytest.mark.slow
