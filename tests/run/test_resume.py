@@ -20,8 +20,8 @@ from tests.conftest import REPO, TINY, custom_model, run_cli
 LONG = [
     *TINY[:4],
     *TINY[4:6],
-    "trainer.max_steps=400",
-    "trainer.eval_every=100",
+    "trainer.max_steps=200",
+    "trainer.eval_every=50",
     "trainer.eval_batches=2",
     "trainer.log_every=10",
     "trainer.checkpoint.every=10",
@@ -102,7 +102,7 @@ def test_kill9_at_a_random_step_then_resume_matches_an_uninterrupted_run(accel, 
     proc = start(args, tmp_path)
     # Killed a moment after a random checkpoint of the first half, so mid-step somewhere, before the run can end
     # however fast the machine.
-    target = random.randrange(10, 200, 10)
+    target = random.randrange(10, 100, 10)
     wait_for(
         lambda: any(step >= target for step, _ in checkpoint.step_checkpoints(run_dir / "checkpoints")), poll=0.005
     )
@@ -133,8 +133,11 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly_then_resumes_exactly(refe
     run_dir = tmp_path / "run"
     args = [*LONG, "hydra.run.dir=run"]
     proc = start(args, tmp_path)
-    wait_for(lambda: checkpoint.step_checkpoints(run_dir / "checkpoints"))
-    time.sleep(random.uniform(0.0, 1.0))
+    target = random.randrange(10, 100, 10)  # a random checkpoint of the first half, then a moment later
+    wait_for(
+        lambda: any(step >= target for step, _ in checkpoint.step_checkpoints(run_dir / "checkpoints")), poll=0.005
+    )
+    time.sleep(random.uniform(0.0, 0.02))
     os.killpg(proc.pid, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-3000:]
