@@ -33,6 +33,11 @@ EXPECTED: tuple[tuple[type[Warning], str, str], ...] = (
         "ORT's training artifacts need a training-mode export",
     ),
     (
+        FutureWarning,
+        r"Setting `training` to something other than default is deprecated",
+        "(the same warning as torch 2.6 words it)",
+    ),
+    (
         DeprecationWarning,
         r"The feature will be removed\. Please remove usage of this function",
         "(the same, from inside torch's exporter)",
