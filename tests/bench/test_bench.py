@@ -217,15 +217,15 @@ def test_scaling_plot_takes_values_that_are_not_numbers(tmp_path):
 def test_bench_reports_every_mode_with_its_ratio_to_eager(tmp_path):
     out = tmp_path / "bench.json"
     variant = "artifacts:accel.rewrite_gathers=false"  # a mode with its own overrides (before/after comparisons)
-    modes = f"none,ortmodule,artifacts,{variant}"
+    modes = f"none,ortmodule,{variant}"  # the plain artifacts mode: the profile test below
     main(["--modes", modes, "--steps", "3", "--warmup", "1", "--repeats", "1", "--out", str(out), *TINY_BENCH])
     report = json.loads(out.read_text())
     assert report["complete"]
     rows = {r["mode"]: r for r in report["rows"]}
-    assert set(rows) == {"none", "ortmodule", "artifacts", variant}
+    assert set(rows) == {"none", "ortmodule", variant}
     assert all("error" not in r for r in rows.values()), rows
     assert rows["none"]["vs_eager"] == 1.0
-    assert {rows[m]["executed_by"] for m in ("ortmodule", "artifacts", variant)} == {"onnxruntime"}
+    assert {rows[m]["executed_by"] for m in ("ortmodule", variant)} == {"onnxruntime"}
     for r in rows.values():
         assert 0 < r["mfu"] < 1 and r["peak_rss_mb"] > 0 and r["first_step_s"] > 0
         assert r["steps"] == 3  # --steps overrides the budget
