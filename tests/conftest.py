@@ -68,6 +68,22 @@ def run_cli(*args: str, cwd: Path, timeout: int = 600, env: dict[str, str] | Non
     )
 
 
+def start_cli(*args: str, cwd: Path, env: dict[str, str] | None = None):
+    """`python -m ortflow ARGS` started and returned at once (several run side by side): `.communicate(timeout)`
+    gives (stdout, stderr) and sets `.returncode`. Forked like run_cli's commands, on the same conditions."""
+    full_env = {**os.environ, **(env or {})}
+    if set(env or {}) <= zygote.HONOURED and not os.environ.get("FRESH_INTERPRETERS"):
+        return zygote.Forked(list(args), cwd, full_env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ortflow", *args],
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 # Lets a subprocess import tests.helpers.user_model (a user's own model module).
 USER_ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
@@ -117,3 +133,9 @@ def ortflow_cli(monkeypatch, capfd):
         return status, capfd.readouterr().err
 
     return run
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The end-to-end runs (`slow`) first, the quick tests after them: the workers then finish together instead of
+    one running a long test while the others have run out of work. The order is the same in every worker (stable)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 import ortflow
 from ortflow.run.lock import LOCK_FILE, RunDirLock
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, start_cli
 
 QUICK = ["+recipe=digits", "trainer.max_steps=20", "trainer.eval_every=10", "logger.progress=false"]
 
@@ -184,18 +184,9 @@ def test_runs_started_at_once_on_one_dir_train_one_at_a_time(tmp_path):
     """Several `ortflow` commands started together on one run dir: exactly one trains, every other one is refused
     before writing, naming the owner (or, when it started after the winner finished, the run already there)."""
     args = [*QUICK, "trainer.max_steps=30", "hydra.run.dir=run"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "ortflow", *args],
-            cwd=tmp_path,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
-        for _ in range(4)
-    ]
-    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    procs = [start_cli(*args, cwd=tmp_path, env={"PYTHONPATH": str(REPO)}) for _ in range(4)]
+    stderrs = [p.communicate(timeout=300)[1] for p in procs]
+    results = [(p.returncode, stderr) for p, stderr in zip(procs, stderrs, strict=True)]
     winners = [r for r in results if r[0] == 0]
     losers = [r for r in results if r[0] != 0]
     assert len(winners) == 1, results

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ortflow import accel, distributed
-from tests.conftest import USER_ENV, custom_model, make_cfg, run_cli
+from tests.conftest import USER_ENV, custom_model, make_cfg, run_cli, start_cli
 
 # dropout=0 and a constant LR: the 1-process and 2-process runs then compute the same thing in another order.
 SMALL = [
@@ -149,16 +149,7 @@ def test_two_nodes_on_loopback(tmp_path):
         f"distributed.rdzv_endpoint={endpoint}",
         "logger.progress=false",
     ]
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "ortflow", *common, f"distributed.node_rank={n}", f"hydra.run.dir=node{n}"],
-            cwd=tmp_path,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for n in (0, 1)
-    ]
+    nodes = [start_cli(*common, f"distributed.node_rank={n}", f"hydra.run.dir=node{n}", cwd=tmp_path) for n in (0, 1)]
     errors = [node.communicate(timeout=300)[1] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
     info = record(tmp_path / "node0")["engine"]

@@ -8,7 +8,8 @@ finalization). What it shares with the server is only what the imports did. ONNX
 server, nor anything that reads the environment at import time beyond torch's thread count (set again from
 OMP_NUM_THREADS); `run_cli` (tests/conftest.py) starts a real interpreter when a test sets other variables.
 
-`fork_cli(args, cwd, env, timeout)` returns what `subprocess.run(..., capture_output=True, text=True)` would."""
+`fork_cli(args, cwd, env, timeout)` returns what `subprocess.run(..., capture_output=True, text=True)` would;
+`Forked(args, cwd, env)` starts one and returns at once (several run side by side)."""
 
 import atexit
 import json
@@ -128,48 +129,65 @@ def _socket_path() -> str:
         return str(_server["path"])
 
 
+class Forked:
+    """One `python -m ortflow ARGS` forked by the server, started at once; `communicate` reads its output to the end
+    and its exit status (as subprocess.Popen's, with stdout and stderr piped and text=True)."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
+        self.args = [sys.executable, "-m", "ortflow", *args]
+        self.returncode: int | None = None
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(_socket_path())
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        request = {"args": list(args), "cwd": str(cwd), "env": dict(env)}
+        socket.send_fds(self._sock, [json.dumps(request).encode()], [null, out_w, err_w])
+        for fd in (null, out_w, err_w):
+            os.close(fd)
+        self._replies = self._sock.makefile("r")
+        self.pid = int(self._replies.readline())
+        self._pipes = (out_r, err_r)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        chunks: dict[int, list[bytes]] = {fd: [] for fd in self._pipes}
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        with selectors.DefaultSelector() as selector:
+            for fd in chunks:
+                selector.register(fd, selectors.EVENT_READ)
+            open_fds = set(chunks)
+            while open_fds:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    os.kill(self.pid, signal.SIGKILL)
+                    self._close()
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                for key, _ in selector.select(timeout=min(left, 1.0)):
+                    data = os.read(key.fd, 1 << 16)
+                    if data:
+                        chunks[key.fd].append(data)
+                    else:
+                        selector.unregister(key.fd)
+                        open_fds.discard(key.fd)
+        self.returncode = int(self._replies.readline())
+        self._close()
+        # As text=True would: decoded, universal newlines.
+        return tuple(  # type: ignore[return-value]
+            b"".join(chunks[fd]).decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+            for fd in self._pipes
+        )
+
+    def _close(self) -> None:
+        for fd in self._pipes:
+            os.close(fd)
+        self._replies.close()
+        self._sock.close()
+
+
 def fork_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(_socket_path())
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    null = os.open(os.devnull, os.O_RDONLY)
-    request = {"args": list(args), "cwd": str(cwd), "env": dict(env)}
-    socket.send_fds(sock, [json.dumps(request).encode()], [null, out_w, err_w])
-    for fd in (null, out_w, err_w):
-        os.close(fd)
-    replies = sock.makefile("r")
-    pid = int(replies.readline())
-    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        for fd in chunks:
-            selector.register(fd, selectors.EVENT_READ)
-        open_fds = set(chunks)
-        while open_fds:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                os.kill(pid, signal.SIGKILL)
-                for fd in chunks:
-                    os.close(fd)
-                sock.close()
-                raise subprocess.TimeoutExpired(["ortflow", *args], timeout)
-            for key, _ in selector.select(timeout=min(left, 1.0)):
-                data = os.read(key.fd, 1 << 16)
-                if data:
-                    chunks[key.fd].append(data)
-                else:
-                    selector.unregister(key.fd)
-                    open_fds.discard(key.fd)
-    for fd in chunks:
-        os.close(fd)
-    returncode = int(replies.readline())
-    sock.close()
-    # As text=True would: decoded, universal newlines.
-    stdout, stderr = (
-        b"".join(chunks[fd]).decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n") for fd in (out_r, err_r)
-    )
-    return subprocess.CompletedProcess([sys.executable, "-m", "ortflow", *args], returncode, stdout, stderr)
+    proc = Forked(args, cwd, env)
+    stdout, stderr = proc.communicate(timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 if __name__ == "__main__":
