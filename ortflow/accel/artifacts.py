@@ -456,7 +456,10 @@ class ArtifactsEngine:
         tmp = self.onnx_dir / "checkpoint.saving"
         try:
             api.CheckpointState.save_checkpoint(self.state, str(tmp), include_optimizer_state=True)
-            return {"format": "onnxruntime", "checkpoint": tmp.read_bytes(), "lr": self.optimizer.get_learning_rate()}
+            # As a uint8 tensor: torch.save writes a tensor's bytes straight into the file, where a bytes object is
+            # pickled through two more in-memory copies (ORT's state holds every weight: hundreds of MB).
+            saved = torch.from_numpy(np.fromfile(tmp, dtype=np.uint8))
+            return {"format": "onnxruntime", "checkpoint": saved, "lr": self.optimizer.get_learning_rate()}
         except RuntimeError as err:  # ORT's own write failed (a full disk): named as such, the partial file removed
             raise as_write_failure(err, tmp) or err from None
         finally:
@@ -466,7 +469,11 @@ class ArtifactsEngine:
         if state.get("format") != "onnxruntime":
             return False
         resumed = self.onnx_dir / "checkpoint.resumed"
-        resumed.write_bytes(state["checkpoint"])
+        saved = state["checkpoint"]  # a uint8 tensor (bytes in checkpoints written before)
+        if isinstance(saved, bytes):
+            resumed.write_bytes(saved)
+        else:
+            saved.numpy().tofile(resumed)
         try:
             self._open(resumed, state["lr"])
         except RuntimeError as err:

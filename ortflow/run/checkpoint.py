@@ -50,7 +50,7 @@ def digest(tree: Any) -> str:
         if isinstance(node, torch.Tensor):
             flat = node.detach().reshape(-1).contiguous()
             h.update(f"T{flat.dtype}{tuple(node.shape)}".encode())
-            h.update(flat.view(torch.uint8).numpy().tobytes())
+            h.update(flat.view(torch.uint8).numpy())  # the tensor's memory, not a copy
         elif isinstance(node, dict):
             for key in sorted(node, key=repr):
                 h.update(repr(key).encode())
@@ -61,7 +61,8 @@ def digest(tree: Any) -> str:
                 walk(item)
             h.update(b"]")
         elif isinstance(node, bytes):
-            h.update(b"B%d:" % len(node) + node)
+            h.update(b"B%d:" % len(node))
+            h.update(node)
         else:
             h.update(repr(node).encode())
 
