@@ -89,6 +89,23 @@ def write_atomic(payload: dict[str, Any], path: Path) -> None:
     files.write_atomic(path, lambda file: torch.save(payload, file))
 
 
+def share_tied(weights: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`weights` (a model_state_dict from any engine) with the model's tied entries (a language model's embedding and
+    output layer) sharing one tensor again, so torch.save writes them once. An engine that copies weights out of its
+    runtime returns each name its own copy: the tied GPT-2 LM head is 154 MB written twice otherwise."""
+    shared = dict(weights)
+    first: dict[tuple[int, torch.dtype, tuple[int, ...]], str] = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.numel() == 0 or name not in shared:
+            continue
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+        if key not in first:
+            first[key] = name
+        elif torch.equal(shared[name], shared[first[key]]):
+            shared[name] = shared[first[key]]
+    return shared
+
+
 def remove_partial_writes(directory: Path) -> None:
     """Delete temporary files a killed process left behind (never complete, never under a final name)."""
     for tmp in directory.glob(".*.tmp-*") if directory.is_dir() else []:

@@ -369,6 +369,10 @@ def _train(
     logger.header(header(cfg, overrides, model, engine, run.path, start))
     logger.text("config", OmegaConf.to_yaml(cfg, resolve=True))
     logger.text("data", "\n".join(f"{k}: {v}" for k, v in data.info.items()))
+
+    def weights() -> dict[str, torch.Tensor]:
+        return checkpoint.share_tied(engine.model_state_dict(), model)
+
     try:
         metrics = train_loop(
             engine,
@@ -385,7 +389,7 @@ def _train(
             world_size=world.size,
             any_rank=distributed.any_rank,
             watch=cfg.objective,
-            on_best=None if cfg.trainer.fast_dev_run else lambda _state: run.write_best(engine.model_state_dict()),
+            on_best=None if cfg.trainer.fast_dev_run else lambda _state: run.write_best(weights()),
             prune=pruning.reporter(cfg.objective),
             eval_metrics=data.eval_metrics,
         )
@@ -405,7 +409,7 @@ def _train(
         logger.hparams(hparams, {k: v for k, v in metrics.items() if isinstance(v, float)})
     finally:
         logger.close()
-    final = engine.model_state_dict()
+    final = weights()
     model.load_state_dict(final)  # the torch model holds the trained weights (an ORT engine's copied back)
     if not cfg.trainer.fast_dev_run:
         run.write_final(final)

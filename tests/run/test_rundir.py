@@ -144,3 +144,25 @@ def test_rank_overrides_refuse_a_sweep_and_an_unnamed_run(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     with pytest.raises(OrtflowError, match="--rdzv_id"):
         rank_overrides([])
+
+
+def test_tied_weights_are_written_once_whatever_engine_copied_them():
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(50, 8)
+            self.head = torch.nn.Linear(8, 50, bias=False)
+            self.head.weight = self.embed.weight  # tied, as a language model's input and output layers
+            self.other = torch.nn.Linear(8, 8, bias=False)
+            self.same_values = torch.nn.Linear(8, 8, bias=False)  # equal to `other`, but not tied
+            self.same_values.weight.data.copy_(self.other.weight.data)
+
+    model = Tied()
+    copied = {k: v.clone() for k, v in model.state_dict().items()}  # as an ORT engine returns them
+    shared = checkpoint.share_tied(copied, model)
+    assert shared["head.weight"] is shared["embed.weight"]
+    assert shared["same_values.weight"] is not shared["other.weight"]
+    assert all(torch.equal(shared[k], copied[k]) for k in copied)
+    restored = Tied()
+    restored.load_state_dict(shared)
+    assert restored.head.weight is restored.embed.weight and torch.equal(restored.embed.weight, model.embed.weight)
