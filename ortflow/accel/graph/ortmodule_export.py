@@ -45,13 +45,16 @@ def _exporting(settings: ExportSettings | None, opset: int) -> Iterator[None]:
         yield
 
 
-def _fix(model: onnx.ModelProto, trainable: set[str], settings: ExportSettings | None) -> dict[str, int]:
-    fixes, masks = prepare_training_graph(model, (settings or ExportSettings()).rewrites)
+def _fix(
+    model: onnx.ModelProto, trainable: set[str], frozen: set[str], settings: ExportSettings | None
+) -> dict[str, int]:
+    settings = settings or ExportSettings()
+    fixes, masks = prepare_training_graph(model, settings.rewrites)
     assert not masks, "ORTModule cannot feed dropout masks"  # Rewrites.dropout_masks is artifacts-only
     if torch_nodes := aten_nodes.count_all(model):
         # ORTModule builds its gradient graph for the trainable parameters only (the compatibility layer's patch), so
-        # the ATen nodes compute no gradient for a frozen weight either.
-        aten_nodes.set_gradient_masks(model, trainable)
+        # the ATen nodes compute no gradient for a frozen weight either (and keep its bf16 copy from step to step).
+        aten_nodes.set_gradient_masks(model, trainable, frozen)
     fixes.update(aten_nodes.graph_fixes(torch_nodes))
     return fixes
 
