@@ -24,7 +24,7 @@ from torch import nn
 from ortflow.accel import failures
 from ortflow.accel.compat import export_warnings, ort, torch_onnx, versions
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
-from ortflow.accel.graph import aten_nodes, batchnorm, bf16_weights, onnx_gradients, symbolics
+from ortflow.accel.graph import aten_gelu, aten_nodes, batchnorm, bf16_weights, onnx_gradients, symbolics
 from ortflow.accel.graph.rewrites import MaskSampler, Rewrites, prepare_training_graph
 from ortflow.accel.none import debug_problems
 from ortflow.config import BF16, OptimConfig, OptimName
@@ -249,6 +249,8 @@ class ArtifactsEngine:
         ):
             torch_onnx.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
         forward = onnx.load(str(forward_path))
+        if ctx.precision == BF16:  # torch's kernels run in the graph anyway: GELU's gradient by torch, not ORT's
+            aten_gelu.tanh_gelus_to_aten(forward)
         # Convolutions (accel.aten_conv, transposed ones always), LayerNorms (accel.aten_layer_norm), upsampling
         # (always: ORT has no CPU ResizeGrad) and, in bf16, matrix multiplies as ATen nodes: torch runs them inside
         # ORT (accel/graph/aten_nodes.py).

@@ -1,6 +1,7 @@
 """The one registry of the `org.pytorch.aten::ATen` operators ortflow exports (operators torch runs inside ORT's
 graphs: convolutions, accel/graph/aten_conv.py; LayerNorm, accel/graph/aten_layer_norm.py; bf16 matrix multiplies,
-accel/graph/aten_gemm.py), and what ORT's graphs need around them.
+accel/graph/aten_gemm.py; GELU's tanh approximation in bf16, accel/graph/aten_gelu.py), and what ORT's graphs need
+around them.
 
 Each is behind a setting with an ORT-native path (accel.aten_conv, accel.aten_layer_norm, trainer.precision=fp32), so
 a torch-free export stays possible. A graph holding any of them runs only where torch and the ATen executor extension
