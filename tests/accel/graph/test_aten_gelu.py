@@ -30,9 +30,9 @@ class Formula(torch.nn.Module):
         return (out, inner) if self.leak else out
 
 
-LEGACY_EXPORT = pytest.mark.filterwarnings(
-    "ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning"
-)
+# torch's notices about its TorchScript-based exporter, which the engines use too
+LEGACY_EXPORT = pytest.mark.filterwarnings("ignore:You are using the legacy TorchScript-based ONNX export")
+EXPORTER_LOGGING = pytest.mark.filterwarnings("ignore:The feature will be removed. Please remove usage")
 
 
 def exported(module: torch.nn.Module) -> onnx.ModelProto:
@@ -42,6 +42,7 @@ def exported(module: torch.nn.Module) -> onnx.ModelProto:
 
 
 @LEGACY_EXPORT
+@EXPORTER_LOGGING
 def test_the_exported_formula_becomes_one_aten_node_with_torchs_values_and_gradient():
     model = exported(Formula())
     assert aten_gelu.tanh_gelus_to_aten(model) == 1
@@ -58,6 +59,7 @@ def test_the_exported_formula_becomes_one_aten_node_with_torchs_values_and_gradi
 
 
 @LEGACY_EXPORT
+@EXPORTER_LOGGING
 def test_a_formula_whose_intermediate_value_is_used_elsewhere_is_left_alone():
     model = exported(Formula(leak=True))
     before = [n.op_type for n in model.graph.node]
