@@ -24,7 +24,7 @@ from torch import nn
 from ortflow.accel import failures
 from ortflow.accel.compat import export_warnings, ort, torch_onnx, versions
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
-from ortflow.accel.graph import aten_nodes, batchnorm, onnx_gradients, symbolics
+from ortflow.accel.graph import aten_gelu, aten_nodes, batchnorm, bf16_weights, onnx_gradients, symbolics
 from ortflow.accel.graph.rewrites import MaskSampler, Rewrites, prepare_training_graph
 from ortflow.accel.none import debug_problems
 from ortflow.config import BF16, OptimConfig, OptimName
@@ -249,6 +249,8 @@ class ArtifactsEngine:
         ):
             torch_onnx.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
         forward = onnx.load(str(forward_path))
+        if ctx.precision == BF16:  # torch's kernels run in the graph anyway: GELU's gradient by torch, not ORT's
+            aten_gelu.tanh_gelus_to_aten(forward)
         # Convolutions (accel.aten_conv, transposed ones always), LayerNorms (accel.aten_layer_norm), upsampling
         # (always: ORT has no CPU ResizeGrad) and, in bf16, matrix multiplies as ATen nodes: torch runs them inside
         # ORT (accel/graph/aten_nodes.py).
@@ -258,7 +260,8 @@ class ArtifactsEngine:
             ort.load_aten_executor()
             aten_nodes.register_gradients()
             trainable = {_PREFIX + n for n, p in model.named_parameters() if p.requires_grad}
-            aten_nodes.set_gradient_masks(forward, trainable)
+            frozen = {_PREFIX + n for n, p in model.named_parameters() if not p.requires_grad}
+            aten_nodes.set_gradient_masks(forward, trainable, frozen)
         example_feeds = {name: t.numpy() for name, t in zip(names, args, strict=True)}
         self.graph_fixes, self.masks = prepare_training_graph(forward, accel.rewrites(), example_feeds)
         self.graph_fixes.update(aten_nodes.graph_fixes(torch_nodes))
@@ -344,9 +347,16 @@ class ArtifactsEngine:
             self.state.parameters[mean].data = site.module.running_mean.numpy().copy()
             self.state.parameters[var].data = site.module.running_var.numpy().copy()
 
+    def _serve_frozen_weights(self) -> None:
+        """Before each run of a graph: the bf16 GEMM nodes' copies of frozen weights (accel/graph/bf16_weights.py) are
+        of this engine's ORT state, valid while it is the same state (a resume opens a new one)."""
+        if self.aten_nodes:
+            bf16_weights.CACHE.serve_ort_state(self.state)
+
     def _training_forward(self, feeds: list[np.ndarray]) -> float:
         """One call of the training graph (forward and backward, gradients added up); with BatchNorm, torch's update
         of the running statistics from the batch statistics ORT writes into its state (accel/graph/batchnorm.py)."""
+        self._serve_frozen_weights()
         if self.norms is None:
             loss, _ = self.module(*feeds)
             return float(loss)
@@ -430,6 +440,7 @@ class ArtifactsEngine:
         self.batch_statistics.check_eval_batch(real, self.batch_size, NAME)
         tensors, padded = pad_eval_batch(self.layout.flatten(inputs), targets, self.batch_size)
         self.module.eval()
+        self._serve_frozen_weights()
         with failures.explained(NAME, "run an evaluation step", self.model, INSTEAD):
             _, output = self.module(*self._feeds(tensors, padded, train=False))
         self.evals += 1

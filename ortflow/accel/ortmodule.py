@@ -25,7 +25,7 @@ from ortflow.accel import failures
 from ortflow.accel.compat import ortmodule_patches
 from ortflow.accel.compat.extensions import ensure_built
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
-from ortflow.accel.graph import batchnorm, fed_dropout, ortmodule_export
+from ortflow.accel.graph import batchnorm, bf16_weights, fed_dropout, ortmodule_export
 from ortflow.accel.graph.ortmodule_export import ExportSettings
 from ortflow.accel.graph.rewrites import DropoutMask, MaskSampler, Rewrites, draw_masks
 from ortflow.accel.none import EagerEngine
@@ -183,6 +183,7 @@ class ORTModuleEngine:
             ctx.wrap(trained), ctx.model, ctx.loss, flat, ctx.optim, ctx.grad_clip, ctx.reduce_loss
         )
         self.batch_size = ctx.batch_size  # the shape ORT's graphs are exported for
+        self.bf16 = ctx.precision == BF16
         self.called: set[str] = set()  # the modes ("train", "eval") already run once
         self.ort_steps = 0
         self.torch_steps = 0
@@ -196,6 +197,8 @@ class ORTModuleEngine:
         # to stderr meanwhile (at INFO, whatever the severity asked for): that goes to ortflow.log.
         first = mode not in self.called
         self.called.add(mode)
+        if self.bf16:  # ORT reads the frozen weights from their torch parameters: their bf16 copies hold while those do
+            bf16_weights.CACHE.serve_torch_parameters(list(self.user_model.parameters()))
         try:
             with (
                 terminal.native_stderr("onnxruntime") if first else contextlib.nullcontext(),

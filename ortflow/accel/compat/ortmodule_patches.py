@@ -51,7 +51,8 @@ class ExportHooks:
 
     install: Callable[[], None]  # once, before any ORTModule is built (gradient registrations, shape handlers)
     exporting: Callable[[Any, int], contextlib.AbstractContextManager]  # around torch's export at an opset
-    fix: Callable[[onnx.ModelProto, set[str], Any], dict[str, int]]  # the exported graph, its trainable parameters
+    # the exported graph, its trainable and its frozen parameters, the engine's graph settings
+    fix: Callable[[onnx.ModelProto, set[str], set[str], Any], dict[str, int]]
     infer_shapes: Callable[[onnx.ModelProto], onnx.ModelProto]  # ORTModule's shape inference, replaced
 
 
@@ -129,8 +130,9 @@ def patch_ortmodule(hooks: ExportHooks) -> None:
         ):
             exported_model, output_schema = get_exported(*args, **kwargs)
         # The parameters ORTModule builds the gradient of (`_gradients_for_trainable_parameters_only`).
-        trainable = {name for name, p in kwargs["flattened_module"].named_parameters() if p.requires_grad}
-        fixes = hooks.fix(exported_model, trainable, graph)
+        parameters = dict(kwargs["flattened_module"].named_parameters())
+        trainable = {name for name, p in parameters.items() if p.requires_grad}
+        fixes = hooks.fix(exported_model, trainable, set(parameters) - trainable, graph)
         if scope is not None:
             scope.fixes.update(fixes)
         return exported_model, output_schema

@@ -12,7 +12,10 @@ How (symbolics.py puts it in place only while an ORT engine exports with bf16):
 - forward: the exporter's `aten::linear`, `aten::matmul`, `aten::addmm` and `aten::bmm` become one ATen node running
   `ortflow::gemm_bf16(a, b, bias, transpose_b, output_mask)`: a @ b (b transposed for linear) + bias;
 - gradient: one ATen node running `ortflow::gemm_bf16_backward`, the gradients of a and b as bf16 GEMMs (none for a
-  frozen weight: the mask says which are wanted) and the bias's summed in fp32.
+  frozen weight: the mask says which are wanted) and the bias's summed in fp32;
+- a frozen weight (the mask's fourth boolean, set where b is a frozen parameter) is cast once and its bf16 copy reused
+  from step to step (accel/graph/bf16_weights.py), where autocast casts it again every step;
+- a bias is added inside the GEMM where autocast does so too (`addmm`, `linear`), not in a pass of its own.
 """
 
 from typing import Any
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel.graph import aten_nodes
+from ortflow.accel.graph import aten_nodes, bf16_weights
 
 OPERATOR = "ortflow::gemm_bf16"
 BACKWARD = "ortflow::gemm_bf16_backward"
@@ -42,14 +45,18 @@ def _bias(bias):
 def _gemm(a: torch.Tensor, b: torch.Tensor, bias, transpose_b: bool, output_mask):
     """a @ b (b transposed: a linear layer) + bias on bf16 copies, in fp32; and the copies, which the gradient node
     takes instead of a and b (ORT keeps them, half the bytes, and frees the fp32 ones sooner; each weight is cast
-    once per step)."""
+    once per step, a frozen one once for all steps: `output_mask[3]`)."""
     bias = _bias(bias)
-    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    a16 = a.to(torch.bfloat16)
+    frozen = len(output_mask) > 3 and output_mask[3]
+    b16 = bf16_weights.CACHE.bf16(b) if frozen else b.to(torch.bfloat16)
+    bias16 = None if bias is None else bias.to(torch.bfloat16)
     if transpose_b:  # linear: (..., in) x (out, in)
-        out = torch.nn.functional.linear(a16, b16, None if bias is None else bias.to(torch.bfloat16))
-        return out.float(), a16, b16
+        return torch.nn.functional.linear(a16, b16, bias16).float(), a16, b16
+    if bias16 is not None and a16.dim() == 2 and b16.dim() == 2:  # addmm (GPT-2's Conv1D), as autocast runs it
+        return torch.addmm(bias16, a16, b16).float(), a16, b16
     out = torch.matmul(a16, b16)
-    return (out if bias is None else out + bias.to(torch.bfloat16)).float(), a16, b16
+    return (out if bias16 is None else out + bias16).float(), a16, b16
 
 
 def _gemm_backward(grad_output: torch.Tensor, a16, b16, bias, transpose_b: bool, output_mask):
@@ -94,6 +101,7 @@ aten_nodes.register(
         mask_input=4,
         gradient=gradient,
         fix_name="matmuls_run_by_torch_bf16",
+        frozen_input=1,  # b: a frozen weight's bf16 copy is kept from step to step
     )
 )
 

@@ -1,6 +1,7 @@
 """The one registry of the `org.pytorch.aten::ATen` operators ortflow exports (operators torch runs inside ORT's
 graphs: convolutions, accel/graph/aten_conv.py; LayerNorm, accel/graph/aten_layer_norm.py; bf16 matrix multiplies,
-accel/graph/aten_gemm.py), and what ORT's graphs need around them.
+accel/graph/aten_gemm.py; GELU's tanh approximation in bf16, accel/graph/aten_gelu.py), and what ORT's graphs need
+around them.
 
 Each is behind a setting with an ORT-native path (accel.aten_conv, accel.aten_layer_norm, trainer.precision=fp32), so
 a torch-free export stays possible. A graph holding any of them runs only where torch and the ATen executor extension
@@ -31,6 +32,10 @@ class AtenOp:
     gradient: Callable[[], list[tuple]] | None
     fix_name: str  # how its nodes are counted among an engine's graph fixes (run.json, the engine's describe())
     overload: str = ""  # the forward node's `overload_name`
+    # The forward node's input whose being a frozen parameter is appended to the mask (one more boolean after the
+    # gradients'): the operator may then reuse a copy of it from step to step (accel/graph/bf16_weights.py). None: no
+    # such flag.
+    frozen_input: int | None = None
 
 
 OPS: dict[str, AtenOp] = {}
@@ -79,10 +84,11 @@ def graph_fixes(counts: dict[str, int]) -> dict[str, int]:
     return fixes
 
 
-def set_gradient_masks(model: onnx.ModelProto, trainable: set[str]) -> None:
+def set_gradient_masks(model: onnx.ModelProto, trainable: set[str], frozen: set[str] = frozenset()) -> None:
     """Give every registered ATen node of an exported graph the mask of the gradients it must compute: whether each
     of its differentiable inputs depends on a trainable parameter (`trainable`: their graph names). An image fed to
-    the first convolution, or a frozen layer's weight, gets no gradient."""
+    the first convolution, or a frozen layer's weight, gets no gradient. An operator with a `frozen_input` gets one
+    more boolean: whether that input is one of the frozen parameters `frozen` (their graph names)."""
     graph = model.graph
     reached = set(trainable)
     for node in graph.node:  # nodes are in execution order
@@ -92,6 +98,8 @@ def set_gradient_masks(model: onnx.ModelProto, trainable: set[str]) -> None:
     for node in graph.node:
         if (op := OPS.get(operator(node) or "")) is not None and op.mask_input is not None:
             mask = [len(node.input) > i and node.input[i] in reached for i in op.differentiable]
+            if op.frozen_input is not None:
+                mask.append(node.input[op.frozen_input] in frozen)
             name = f"{node.name or node.output[0]}/output_mask"
             kept.append(
                 onnx.helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(mask)))

@@ -1,5 +1,5 @@
-"""Output shapes of ATen nodes for ORT's symbolic shape inference (ORTModule): ortflow's convolutions and bf16 GEMMs,
-and ORTModule's own adaptive average pooling.
+"""Output shapes of ATen nodes for ORT's symbolic shape inference (ORTModule): ortflow's convolutions, bf16 GEMMs and
+GELUs, and ORTModule's own adaptive average pooling.
 
 Why: ORTModule infers the shapes of its exported graph with ORT's SymbolicShapeInference, which knows the shapes of
 a few ATen operators only; for any other it guesses an output of the first input's rank with new symbolic dims, and
@@ -15,7 +15,7 @@ convolution formula on symbolic dims) the gradient is reduced as it must be.
 
 from typing import Any
 
-from ortflow.accel.graph import aten_conv, aten_gemm
+from ortflow.accel.graph import aten_conv, aten_gelu, aten_gemm
 
 
 def _values(inference: Any, node: Any, index: int) -> list[int] | None:
@@ -84,6 +84,17 @@ def gemm_shape(inference: Any, node: Any) -> None:
     _set(inference, node, 2, TensorProto.BFLOAT16, b)
 
 
+def same_shape(inference: Any, node: Any) -> None:
+    """An element-wise ATen node (`ortflow::gelu_tanh`): its input's type and shape."""
+    _set(
+        inference,
+        node,
+        0,
+        inference.known_vi_[node.input[0]].type.tensor_type.elem_type,
+        inference._get_sympy_shape(node, 0),
+    )
+
+
 def adaptive_pool_shape(inference: Any, node: Any, fallback: Any) -> None:
     """`_adaptive_avg_pool2d` (inputs: input, output_size): (B, C, *output_size) where the size is a constant."""
     from onnx import helper
@@ -118,6 +129,7 @@ def install() -> None:
         for operator in (aten_conv.OPERATOR, aten_conv.OPERATOR_BF16):
             dispatch[operator] = lambda node: convolution_shape(self, node)
         dispatch[aten_gemm.OPERATOR] = lambda node: gemm_shape(self, node)
+        dispatch[aten_gelu.OPERATOR] = lambda node: same_shape(self, node)
         pool = dispatch.get("_adaptive_avg_pool2d", lambda node: None)
         dispatch["_adaptive_avg_pool2d"] = lambda node: adaptive_pool_shape(self, node, pool)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from ortflow.accel.compat.ortmodule_patches import ExportHooks
-from ortflow.accel.graph import aten_nodes, aten_shapes, onnx_gradients, symbolics
+from ortflow.accel.graph import aten_gelu, aten_nodes, aten_shapes, onnx_gradients, symbolics
 from ortflow.accel.graph.rewrites import Rewrites, prepare_training_graph
 
 log = logging.getLogger(__name__)
@@ -45,13 +45,18 @@ def _exporting(settings: ExportSettings | None, opset: int) -> Iterator[None]:
         yield
 
 
-def _fix(model: onnx.ModelProto, trainable: set[str], settings: ExportSettings | None) -> dict[str, int]:
-    fixes, masks = prepare_training_graph(model, (settings or ExportSettings()).rewrites)
+def _fix(
+    model: onnx.ModelProto, trainable: set[str], frozen: set[str], settings: ExportSettings | None
+) -> dict[str, int]:
+    settings = settings or ExportSettings()
+    fixes, masks = prepare_training_graph(model, settings.rewrites)
     assert not masks, "ORTModule cannot feed dropout masks"  # Rewrites.dropout_masks is artifacts-only
+    if settings.bf16:  # torch's kernels run in the graph anyway: GELU's gradient by torch, not ORT's FastGeluGrad
+        aten_gelu.tanh_gelus_to_aten(model)
     if torch_nodes := aten_nodes.count_all(model):
         # ORTModule builds its gradient graph for the trainable parameters only (the compatibility layer's patch), so
-        # the ATen nodes compute no gradient for a frozen weight either.
-        aten_nodes.set_gradient_masks(model, trainable)
+        # the ATen nodes compute no gradient for a frozen weight either (and keep its bf16 copy from step to step).
+        aten_nodes.set_gradient_masks(model, trainable, frozen)
     fixes.update(aten_nodes.graph_fixes(torch_nodes))
     return fixes
 
