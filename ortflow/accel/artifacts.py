@@ -76,8 +76,17 @@ class Settings:
     # 512).
     aten_layer_norm: bool | None = None
 
+    # GELU's tanh approximation (GPT-2's gelu_new) run by torch's kernels inside ORT's graphs (an ATen node;
+    # accel/graph/aten_gelu.py), not ORT's FastGelu/FastGeluGrad, whose gradient took 105 ms per (1024 x 3072) call
+    # against torch's 4-10 ms on a 2-core Zen 5. null: on with trainer.precision=bf16-mixed (torch's kernels already
+    # run in the graph), off in fp32 (the graph stays ORT-native; true turns spin-waiting off).
+    aten_gelu: bool | None = None
+
     def layer_norm_by_torch(self, precision: str) -> bool:
         return self.aten_layer_norm if self.aten_layer_norm is not None else precision == BF16
+
+    def gelu_by_torch(self, precision: str) -> bool:
+        return self.aten_gelu if self.aten_gelu is not None else precision == BF16
 
     def rewrites(self) -> Rewrites:
         return Rewrites(
@@ -249,7 +258,7 @@ class ArtifactsEngine:
         ):
             torch_onnx.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
         forward = onnx.load(str(forward_path))
-        if ctx.precision == BF16:  # torch's kernels run in the graph anyway: GELU's gradient by torch, not ORT's
+        if accel.gelu_by_torch(ctx.precision):  # GELU's gradient by torch, not ORT's FastGeluGrad
             aten_gelu.tanh_gelus_to_aten(forward)
         # Convolutions (accel.aten_conv, transposed ones always), LayerNorms (accel.aten_layer_norm), upsampling
         # (always: ORT has no CPU ResizeGrad) and, in bf16, matrix multiplies as ATen nodes: torch runs them inside

@@ -83,8 +83,17 @@ class Settings:
     # 512).
     aten_layer_norm: bool | None = None
 
+    # GELU's tanh approximation (GPT-2's gelu_new) run by torch's kernels inside ORT's graphs (an ATen node;
+    # accel/graph/aten_gelu.py), not ORT's FastGelu/FastGeluGrad, whose gradient took 105 ms per (1024 x 3072) call
+    # against torch's 4-10 ms on a 2-core Zen 5. null: on with trainer.precision=bf16-mixed (torch's kernels already
+    # run in the graph), off in fp32 (the graph stays ORT-native; true turns spin-waiting off).
+    aten_gelu: bool | None = None
+
     def layer_norm_by_torch(self, precision: str) -> bool:
         return self.aten_layer_norm if self.aten_layer_norm is not None else precision == BF16
+
+    def gelu_by_torch(self, precision: str) -> bool:
+        return self.aten_gelu if self.aten_gelu is not None else precision == BF16
 
     def rewrites(self) -> Rewrites:
         return Rewrites(gathers=self.rewrite_gathers, relu=self.rewrite_relu)
@@ -145,6 +154,7 @@ class ORTModuleEngine:
             settings.rewrites(),
             aten_conv=settings.aten_conv,
             aten_layer_norm=settings.layer_norm_by_torch(ctx.precision),
+            aten_gelu=settings.gelu_by_torch(ctx.precision),
             bf16=ctx.precision == BF16,
         )
         # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.

@@ -25,11 +25,12 @@ class ExportSettings:
     aten_conv: bool = False  # every convolution exported as an ATen node run by torch (graph/aten_conv.py)
     aten_layer_norm: bool = False  # every LayerNorm exported as an ATen node run by torch (graph/aten_layer_norm.py)
     bf16: bool = False  # matrix multiplies and ATen convolutions computed in bf16 by torch (graph/aten_gemm.py)
+    aten_gelu: bool = False  # GELU's tanh approximation as an ATen node run by torch (graph/aten_gelu.py)
 
     @property
     def torch_kernels(self) -> bool:
         """Whether the exported graphs may hold ATen nodes that torch runs (then ORT must not spin-wait)."""
-        return self.aten_conv or self.aten_layer_norm or self.bf16
+        return self.aten_conv or self.aten_layer_norm or self.bf16 or self.aten_gelu
 
 
 def _install() -> None:
@@ -51,7 +52,7 @@ def _fix(
     settings = settings or ExportSettings()
     fixes, masks = prepare_training_graph(model, settings.rewrites)
     assert not masks, "ORTModule cannot feed dropout masks"  # Rewrites.dropout_masks is artifacts-only
-    if settings.bf16:  # torch's kernels run in the graph anyway: GELU's gradient by torch, not ORT's FastGeluGrad
+    if settings.aten_gelu:  # GELU's gradient by torch, not ORT's FastGeluGrad
         aten_gelu.tanh_gelus_to_aten(model)
     if torch_nodes := aten_nodes.count_all(model):
         # ORTModule builds its gradient graph for the trainable parameters only (the compatibility layer's patch), so

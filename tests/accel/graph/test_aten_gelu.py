@@ -105,3 +105,7 @@ def test_gpt2_with_lora_in_bf16_runs_gelu_by_torch_within_eager_bf16s_distance_f
     assert distance <= floor, (distance, floor)
     fp32 = lora(saved, tmp_path / f"{mode}-fp32", f"accel={mode}")
     assert "gelus_run_by_torch" not in fp32["engine"]["graph_fixes"]  # fp32 stays ORT's own
+    by_torch = lora(saved, tmp_path / f"{mode}-fp32-gelu", f"accel={mode}", "accel.aten_gelu=true")
+    assert by_torch["engine"]["graph_fixes"]["gelus_run_by_torch"] == 2  # asked for in fp32
+    ort_own, torch_gelu = np.array(losses(tmp_path / f"{mode}-fp32")), np.array(losses(tmp_path / f"{mode}-fp32-gelu"))
+    assert np.abs(torch_gelu - eager_fp32).max() <= max(1e-5, 2 * np.abs(ort_own - eager_fp32).max())
