@@ -20,7 +20,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from ortflow.accel.graph import aten_nodes
+from ortflow.accel.graph import aten_nodes, onnx_values
 
 OPERATOR = "ortflow::gelu_tanh"
 BACKWARD = "ortflow::gelu_tanh_backward"
@@ -76,12 +76,7 @@ def tanh_gelus_to_aten(model: onnx.ModelProto) -> int:
     graph = model.graph
     scalars = _scalars(graph)
     producer = {out: node for node in graph.node for out in node.output}
-    readers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
-    for out in graph.output:
-        readers[out.name] = readers.get(out.name, 0) + 1
+    reads = onnx_values.readers(graph)
 
     def near(name: str, which: str) -> bool:
         return name in scalars and math.isclose(scalars[name], _CONSTANTS[which], rel_tol=1e-5)
@@ -94,7 +89,7 @@ def tanh_gelus_to_aten(model: onnx.ModelProto) -> int:
         return a if near(b, which) else b if near(a, which) else None
 
     def only_read_once(*nodes: onnx.NodeProto) -> bool:
-        return all(readers.get(node.output[0], 0) == 1 for node in nodes)
+        return all(reads.get(node.output[0], 0) == 1 for node in nodes)
 
     replaced: dict[str, onnx.NodeProto] = {}  # the final Mul's output -> its ATen node
     dropped: set[str] = set()  # the formula's nodes, by their (unique) output

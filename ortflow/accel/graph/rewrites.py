@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.accel.graph import decompositions, onnx_gradients
 from ortflow.accel.graph.batchnorm import batch_statistics_in_place
-from ortflow.accel.graph.onnx_values import value_types
+from ortflow.accel.graph.onnx_values import readers, value_types
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +55,6 @@ def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
 def _const(nodes: list[onnx.NodeProto], name: str, value: np.ndarray) -> str:
     nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value)))
     return name
-
-
-def _consumers(graph: onnx.GraphProto) -> dict[str, int]:
-    used: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            used[name] = used.get(name, 0) + 1
-    for out in graph.output:
-        used[out.name] = used.get(out.name, 0) + 1
-    return used
 
 
 def _static_shape(type_: onnx.TypeProto | None) -> tuple[int, ...] | None:
@@ -335,7 +325,7 @@ def dropout_to_mask_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray] 
     graph = model.graph
     constants = _constants(graph)
     types = value_types(model)
-    used = _consumers(graph)
+    used = readers(graph)
     dropouts = [n.input[0] for n in graph.node if n.op_type == "Dropout"]
     shapes = {name: _static_shape(types.get(name)) for name in dropouts}
     if feeds is not None and (unknown := [name for name, shape in shapes.items() if shape is None]):
