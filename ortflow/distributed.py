@@ -8,6 +8,7 @@ check (ortflow/accel/<mode>.py: problems); this module knows the wrappers, not t
 
 import gc
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -124,7 +125,13 @@ def stop() -> None:
     engine (DDP's reducer and ORT's sessions live in reference cycles, which a collection frees now, while ORT's
     environment and the process group still exist), then the process group, whose gloo backend then stops and joins
     its threads. Left to shutdown, the sessions outlived the ORT environment that ORT's atexit handler deletes, and
-    the gloo threads ran on through interpreter finalization and exit()."""
+    the gloo threads ran on through interpreter finalization and exit().
+
+    First a moment with the GIL released: a gloo worker drops its finished work (the last reference to a tensor with
+    a Python object, which takes the GIL) while holding the work-queue mutex that ProcessGroupGloo's destructor takes
+    with the GIL held. Destroyed in that window, a rank deadlocked at the end of the run (seen on torch 2.6)."""
+    if dist.is_initialized():
+        time.sleep(0.1)
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
