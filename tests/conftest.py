@@ -50,12 +50,17 @@ def make_cfg(*overrides: str) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides))
 
 
+def _forks(env: dict[str, str] | None) -> bool:
+    """Whether a command with these extra environment variables can be forked (tests/helpers/zygote.py)."""
+    return set(env or {}) <= zygote.HONOURED and not os.environ.get("FRESH_INTERPRETERS")
+
+
 def run_cli(*args: str, cwd: Path, timeout: int = 600, env: dict[str, str] | None = None):
     """Run `python -m ortflow ARGS` from `cwd` (not the checkout) and capture its output. The process is forked from
     a server that has the imports done (tests/helpers/zygote.py), unless `env` sets variables only a fresh interpreter
     honours or FRESH_INTERPRETERS is set in the environment."""
     full_env = {**os.environ, **(env or {})}
-    if set(env or {}) <= zygote.HONOURED and not os.environ.get("FRESH_INTERPRETERS"):
+    if _forks(env):
         return zygote.fork_cli(list(args), cwd, full_env, timeout)
     return subprocess.run(
         [sys.executable, "-m", "ortflow", *args],
@@ -72,7 +77,7 @@ def start_cli(*args: str, cwd: Path, env: dict[str, str] | None = None):
     """`python -m ortflow ARGS` started and returned at once (several run side by side): `.communicate(timeout)`
     gives (stdout, stderr) and sets `.returncode`. Forked like run_cli's commands, on the same conditions."""
     full_env = {**os.environ, **(env or {})}
-    if set(env or {}) <= zygote.HONOURED and not os.environ.get("FRESH_INTERPRETERS"):
+    if _forks(env):
         return zygote.Forked(list(args), cwd, full_env)
     return subprocess.Popen(
         [sys.executable, "-m", "ortflow", *args],

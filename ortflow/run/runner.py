@@ -25,6 +25,7 @@ from ortflow.data.short_batches import ShortBatches
 from ortflow.distributed import World
 from ortflow.errors import ConfigError, DataError, OrtflowError, is_allocation_failure
 from ortflow.files import as_write_failure, write_bytes_atomic
+from ortflow.held_signals import held
 from ortflow.model import FREEZE_KEY, OUTPUT_KEY, builder_node, select_output, sequence_first
 from ortflow.model.batch_dependence import BatchDependence
 from ortflow.model.contract import check_builder_result, check_model
@@ -35,7 +36,7 @@ from ortflow.report.logger import RunLogger
 from ortflow.run import checkpoint, export, export_hf, pruning
 from ortflow.run.rundir import RunDir
 from ortflow.run.seeding import seed_everything
-from ortflow.run.signals import Interrupted, Preempted, interrupt_on_signals, uninterrupted
+from ortflow.run.signals import Interrupted, Preempted, interrupt_on_signals
 from ortflow.run.trainer import fast_dev_run, train_loop
 from ortflow.step import loss
 from ortflow.step.batch import Inputs, split_batch
@@ -303,7 +304,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
             distributed.settle()  # every rank past its last collective before any tears the group down
     except BaseException as err:
         status = {Preempted: "preempted", Interrupted: "interrupted", KeyboardInterrupt: "interrupted"}
-        with uninterrupted():
+        with held():  # run.json is never left half-updated by a second Ctrl-C
             run.finish(status.get(type(err), "failed"), error=f"{type(err).__name__}: {err}")
         if isinstance(err, (Preempted, Interrupted)):
             # A clean stop (exit status 0 on preemption): its frames' locals (the engine) are of no use to a

@@ -6,9 +6,7 @@ import logging
 import signal
 import threading
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
-
-from ortflow.held_signals import held
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +82,3 @@ def interrupt_on_signals() -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-def uninterrupted() -> AbstractContextManager[None]:
-    """While inside (writing how a run ended), SIGINT and SIGTERM wait: a signal that arrives meanwhile is delivered
-    once the block is done, so run.json is never left half-updated by a second Ctrl-C."""
-    return held()
