@@ -42,8 +42,8 @@ def _bias(bias):
     return None if bias is None or bias.numel() == 0 else bias
 
 
-def _gemm(a: torch.Tensor, b: torch.Tensor, bias, transpose_b: bool, output_mask):
-    """a @ b (b transposed: a linear layer) + bias on bf16 copies, in fp32; and the copies, which the gradient node
+def product_bf16(a: torch.Tensor, b: torch.Tensor, bias, transpose_b: bool, output_mask):
+    """a @ b (b transposed: a linear layer) + bias on bf16 copies, in bf16; and the copies, which the gradient node
     takes instead of a and b (ORT keeps them, half the bytes, and frees the fp32 ones sooner; each weight is cast
     once per step, a frozen one once for all steps: `output_mask[3]`)."""
     bias = _bias(bias)
@@ -52,17 +52,23 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias, transpose_b: bool, output_mask
     b16 = bf16_weights.CACHE.bf16(b) if frozen else b.to(torch.bfloat16)
     bias16 = None if bias is None else bias.to(torch.bfloat16)
     if transpose_b:  # linear: (..., in) x (out, in)
-        return torch.nn.functional.linear(a16, b16, bias16).float(), a16, b16
+        return torch.nn.functional.linear(a16, b16, bias16), a16, b16
     if bias16 is not None and a16.dim() == 2 and b16.dim() == 2:  # addmm (GPT-2's Conv1D), as autocast runs it
-        return torch.addmm(bias16, a16, b16).float(), a16, b16
+        return torch.addmm(bias16, a16, b16), a16, b16
     out = torch.matmul(a16, b16)
-    return (out if bias16 is None else out + bias16).float(), a16, b16
+    return (out if bias16 is None else out + bias16), a16, b16
 
 
-def _gemm_backward(grad_output: torch.Tensor, a16, b16, bias, transpose_b: bool, output_mask):
-    """The gradients `output_mask` asks for (of a, b, bias) from the forward's bf16 copies of a and b; None (an
-    undefined tensor, which ORT's ATen kernel leaves unset) for the others. A 2-D b (a weight) gets its gradient as one
-    GEMM over every leading dimension of a."""
+def _gemm(a: torch.Tensor, b: torch.Tensor, bias, transpose_b: bool, output_mask):
+    """`product_bf16`, the product returned in fp32."""
+    out, a16, b16 = product_bf16(a, b, bias, transpose_b, output_mask)
+    return out.float(), a16, b16
+
+
+def gemm_backward(grad_output: torch.Tensor, a16, b16, bias, transpose_b: bool, output_mask):
+    """The gradients `output_mask` asks for (of a, b, bias) from the forward's bf16 copies of a and b, for an fp32 or
+    bf16 gradient of the product; None (an undefined tensor, which ORT's ATen kernel leaves unset) for the others. A
+    2-D b (a weight) gets its gradient as one GEMM over every leading dimension of a."""
     bias = _bias(bias)
     grad16 = grad_output.to(torch.bfloat16)
     grad_a = grad_b = grad_bias = None
@@ -79,12 +85,12 @@ def _gemm_backward(grad_output: torch.Tensor, a16, b16, bias, transpose_b: bool,
         else:
             grad_b = torch.matmul(a16.mT, grad16).float().sum_to_size(b16.shape)
     if output_mask[2] and bias is not None:
-        grad_bias = grad_output.sum_to_size(bias.shape)
+        grad_bias = grad_output.float().sum_to_size(bias.shape)
     return grad_a, grad_b, grad_bias
 
 
 _LIBRARY.impl("gemm_bf16", _gemm, "CPU")
-_LIBRARY.impl("gemm_bf16_backward", _gemm_backward, "CPU")
+_LIBRARY.impl("gemm_bf16_backward", gemm_backward, "CPU")
 
 
 # ORT's gradient of the forward node: one ATen node on GO(0), the forward node's bf16 copies of a and b (its outputs 1

@@ -1,5 +1,5 @@
-"""Output shapes of ATen nodes for ORT's symbolic shape inference (ORTModule): ortflow's convolutions, bf16 GEMMs and
-GELUs, and ORTModule's own adaptive average pooling.
+"""Output shapes of ATen nodes for ORT's symbolic shape inference (ORTModule): ortflow's convolutions, bf16 GEMMs,
+GELUs and cross-entropies, and ORTModule's own adaptive average pooling.
 
 Why: ORTModule infers the shapes of its exported graph with ORT's SymbolicShapeInference, which knows the shapes of
 a few ATen operators only; for any other it guesses an output of the first input's rank with new symbolic dims, and
@@ -15,7 +15,7 @@ convolution formula on symbolic dims) the gradient is reduced as it must be.
 
 from typing import Any
 
-from ortflow.accel.graph import aten_conv, aten_gelu, aten_gemm
+from ortflow.accel.graph import aten_conv, aten_cross_entropy, aten_gelu, aten_gemm
 
 
 def _values(inference: Any, node: Any, index: int) -> list[int] | None:
@@ -63,11 +63,9 @@ def _set(inference: Any, node: Any, index: int, elem: int, shape: list[Any]) -> 
     inference.known_vi_[name].CopyFrom(helper.make_tensor_value_info(name, elem, get_shape_from_sympy_shape(shape)))
 
 
-def gemm_shape(inference: Any, node: Any) -> None:
-    """The `ortflow::gemm_bf16` node (inputs: a, b, bias, transpose_b, output_mask): a @ b (b transposed) in fp32, with
-    matmul's broadcast of the leading dims; outputs 1 and 2 are bf16 copies of a and b."""
-    from onnx import TensorProto
-
+def _product_shape(inference: Any, node: Any) -> tuple[list[Any], list[Any], list[Any]]:
+    """The shape of a @ b (b transposed) for a node with the GEMM's inputs (a, b, bias, transpose_b, ...), with
+    matmul's broadcast of the leading dims; and a's and b's shapes."""
     a, b = inference._get_sympy_shape(node, 0), inference._get_sympy_shape(node, 1)
     transpose = _values(inference, node, 3)
     if transpose and transpose[0]:  # a linear layer: b is the (out, in) weight
@@ -79,9 +77,30 @@ def gemm_shape(inference: Any, node: Any) -> None:
         batch = [y if x == 1 else x for x, y in zip(batch_a, batch_b, strict=True)]
         shape = [*batch, a[-2], b[-1]]
     inference._update_computed_dims(shape)
+    return shape, a, b
+
+
+def gemm_shape(inference: Any, node: Any) -> None:
+    """The `ortflow::gemm_bf16` node: a @ b in fp32; outputs 1 and 2 are bf16 copies of a and b."""
+    from onnx import TensorProto
+
+    shape, a, b = _product_shape(inference, node)
     _set(inference, node, 0, inference.known_vi_[node.input[0]].type.tensor_type.elem_type, shape)
     _set(inference, node, 1, TensorProto.BFLOAT16, a)
     _set(inference, node, 2, TensorProto.BFLOAT16, b)
+
+
+def linear_loss_shape(inference: Any, node: Any) -> None:
+    """`ortflow::linear_cross_entropy_bf16` (the GEMM's inputs, then the loss's): the loss, a float scalar; the
+    logits' gradient, bf16 of the product's shape; the bf16 copies of a and b; the logits in fp32."""
+    from onnx import TensorProto
+
+    shape, a, b = _product_shape(inference, node)
+    _set(inference, node, 0, inference.known_vi_[node.input[0]].type.tensor_type.elem_type, [])
+    _set(inference, node, 1, TensorProto.BFLOAT16, shape)
+    _set(inference, node, 2, TensorProto.BFLOAT16, a)
+    _set(inference, node, 3, TensorProto.BFLOAT16, b)
+    _set(inference, node, 4, TensorProto.FLOAT, shape)  # the logits, if returned (else empty)
 
 
 def same_shape(inference: Any, node: Any) -> None:
@@ -93,6 +112,11 @@ def same_shape(inference: Any, node: Any) -> None:
         inference.known_vi_[node.input[0]].type.tensor_type.elem_type,
         inference._get_sympy_shape(node, 0),
     )
+
+
+def scalar_shape(inference: Any, node: Any) -> None:
+    """A reduced loss (`ortflow::cross_entropy`): a scalar of its first input's type."""
+    _set(inference, node, 0, inference.known_vi_[node.input[0]].type.tensor_type.elem_type, [])
 
 
 def adaptive_pool_shape(inference: Any, node: Any, fallback: Any) -> None:
@@ -130,6 +154,8 @@ def install() -> None:
             dispatch[operator] = lambda node: convolution_shape(self, node)
         dispatch[aten_gemm.OPERATOR] = lambda node: gemm_shape(self, node)
         dispatch[aten_gelu.OPERATOR] = lambda node: same_shape(self, node)
+        dispatch[aten_cross_entropy.OPERATOR] = lambda node: scalar_shape(self, node)
+        dispatch[aten_cross_entropy.FUSED] = lambda node: linear_loss_shape(self, node)
         pool = dispatch.get("_adaptive_avg_pool2d", lambda node: None)
         dispatch["_adaptive_avg_pool2d"] = lambda node: adaptive_pool_shape(self, node, pool)
 

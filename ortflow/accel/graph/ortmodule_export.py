@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from ortflow.accel.compat.ortmodule_patches import ExportHooks
-from ortflow.accel.graph import aten_gelu, aten_nodes, aten_shapes, onnx_gradients, symbolics
+from ortflow.accel.graph import aten_cross_entropy, aten_gelu, aten_nodes, aten_shapes, onnx_gradients, symbolics
 from ortflow.accel.graph.rewrites import Rewrites, prepare_training_graph
 
 log = logging.getLogger(__name__)
@@ -26,11 +26,12 @@ class ExportSettings:
     aten_layer_norm: bool = False  # every LayerNorm exported as an ATen node run by torch (graph/aten_layer_norm.py)
     bf16: bool = False  # matrix multiplies and ATen convolutions computed in bf16 by torch (graph/aten_gemm.py)
     aten_gelu: bool = False  # GELU's tanh approximation as an ATen node run by torch (graph/aten_gelu.py)
+    aten_cross_entropy: bool = False  # the loss's SoftmaxCrossEntropyLoss run by torch (graph/aten_cross_entropy.py)
 
     @property
     def torch_kernels(self) -> bool:
         """Whether the exported graphs may hold ATen nodes that torch runs (then ORT must not spin-wait)."""
-        return self.aten_conv or self.aten_layer_norm or self.bf16 or self.aten_gelu
+        return self.aten_conv or self.aten_layer_norm or self.bf16 or self.aten_gelu or self.aten_cross_entropy
 
 
 def _install() -> None:
@@ -54,6 +55,10 @@ def _fix(
     assert not masks, "ORTModule cannot feed dropout masks"  # Rewrites.dropout_masks is artifacts-only
     if settings.aten_gelu:  # GELU's gradient by torch, not ORT's FastGeluGrad
         aten_gelu.tanh_gelus_to_aten(model)
+    if settings.aten_cross_entropy:  # the loss by torch, not ORT's SoftmaxCrossEntropyLoss
+        aten_cross_entropy.softmax_cross_entropies_to_aten(model)
+        if settings.bf16:  # and where it is the LM head's, with its bf16 GEMM in one node
+            aten_cross_entropy.fuse_lm_head_losses(model)
     if torch_nodes := aten_nodes.count_all(model):
         # ORTModule builds its gradient graph for the trainable parameters only (the compatibility layer's patch), so
         # the ATen nodes compute no gradient for a frozen weight either (and keep its bf16 copy from step to step).

@@ -1,6 +1,7 @@
 """GELU's tanh approximation by torch inside ORT's bf16 graphs (ortflow/accel/graph/aten_gelu.py): the exported
 formula found and replaced, torch's values and gradient, and a GPT-2 (gelu_new) fine-tuned with LoRA in bf16 within
-eager bf16's own distance from fp32 in both ORT engines, with no torch GELU in fp32."""
+eager bf16's own distance from fp32 in both ORT engines (its loss by torch too, fused with the LM head:
+accel/graph/aten_cross_entropy.py), with neither by torch in fp32 unless asked for."""
 
 import io
 import json
@@ -91,7 +92,9 @@ def lora(saved: Path, run_dir: Path, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["ortmodule", "artifacts"])
-def test_gpt2_with_lora_in_bf16_runs_gelu_by_torch_within_eager_bf16s_distance_from_fp32(mode, tmp_path):
+def test_gpt2_with_lora_in_bf16_runs_gelu_and_the_loss_by_torch_within_eager_bf16s_distance_from_fp32(mode, tmp_path):
+    """bf16-mixed: GELU by torch and the LM head's GEMM and loss fused (accel/graph/aten_cross_entropy.py); fp32: ORT's
+    own unless asked for (accel.aten_gelu, accel.aten_cross_entropy)."""
     saved = save_gpt2_without_dropout(tmp_path / "pretrained")
     lora(saved, tmp_path / "fp32", "accel=none")
     lora(saved, tmp_path / "eager", "accel=none", "trainer.precision=bf16-mixed")
@@ -100,12 +103,16 @@ def test_gpt2_with_lora_in_bf16_runs_gelu_by_torch_within_eager_bf16s_distance_f
     assert floor > 0
     record = lora(saved, tmp_path / mode, f"accel={mode}", "trainer.precision=bf16-mixed")
     assert record["engine"]["executed_by"] == "onnxruntime"
-    assert record["engine"]["graph_fixes"]["gelus_run_by_torch"] == 2  # one per layer
+    fixes = record["engine"]["graph_fixes"]
+    assert fixes["gelus_run_by_torch"] == 2  # one per layer
+    assert fixes["lm_head_losses_fused_bf16"] == 1  # the training graph's: no fp32 logits, no ORT loss
     distance = np.abs(np.array(losses(tmp_path / mode)) - eager_bf16).max()
     assert distance <= floor, (distance, floor)
     fp32 = lora(saved, tmp_path / f"{mode}-fp32", f"accel={mode}")
-    assert "gelus_run_by_torch" not in fp32["engine"]["graph_fixes"]  # fp32 stays ORT's own
-    by_torch = lora(saved, tmp_path / f"{mode}-fp32-gelu", f"accel={mode}", "accel.aten_gelu=true")
-    assert by_torch["engine"]["graph_fixes"]["gelus_run_by_torch"] == 2  # asked for in fp32
+    assert not {"gelus_run_by_torch", "cross_entropies_run_by_torch"} & set(fp32["engine"]["graph_fixes"])
+    asked = ["accel.aten_gelu=true", "accel.aten_cross_entropy=true"]
+    by_torch = lora(saved, tmp_path / f"{mode}-fp32-gelu", f"accel={mode}", *asked)
+    fixes = by_torch["engine"]["graph_fixes"]  # asked for in fp32
+    assert fixes["gelus_run_by_torch"] == 2 and fixes["cross_entropies_run_by_torch"] >= 1
     ort_own, torch_gelu = np.array(losses(tmp_path / f"{mode}-fp32")), np.array(losses(tmp_path / f"{mode}-fp32-gelu"))
     assert np.abs(torch_gelu - eager_fp32).max() <= max(1e-5, 2 * np.abs(ort_own - eager_fp32).max())
