@@ -43,7 +43,8 @@ def test_the_exported_loss_becomes_one_aten_node_and_a_weighted_or_unreduced_one
     for other in (Loss(weighted=True), Loss(reduction="none")):
         model = exported(other)
         assert aten_cross_entropy.softmax_cross_entropies_to_aten(model) == 0
-        assert "SoftmaxCrossEntropyLoss" in [n.op_type for n in model.graph.node]
+        # ONNX's SoftmaxCrossEntropyLoss, or ORTModule's ...Internal where ORTModule's symbolics are registered
+        assert any(n.op_type.startswith("SoftmaxCrossEntropyLoss") for n in model.graph.node)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
