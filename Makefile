@@ -59,17 +59,20 @@ lint: $(TEST_STAMP)
 	$(BIN)/lint-imports
 
 # Tests run on every core (pytest-xdist): they are independent (own tmp dirs, free ports, in-process Hydra state
-# per worker). PYTEST_ARGS="-n 0" runs them in one process.
+# per worker). PYTEST_ARGS="-n 0" runs them in one process. The slow tests come first (tests/conftest.py) and each
+# worker takes 2 tests at a time, so the slow ones spread over the workers (xdist's default first hands each worker
+# a quarter of its share in one block: one worker then got every slow test and ran 2.5 min after the other ended).
+XDIST = -n auto --maxschedchunk=2
 test: setup-test lint
-	$(BIN)/python -m pytest -n auto $(DURATIONS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(DURATIONS) $(PYTEST_ARGS)
 
 test-fast: setup-test lint
-	$(BIN)/python -m pytest -n auto -m "not slow" $(DURATIONS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(DURATIONS) $(PYTEST_ARGS)
 
 # The other end of the torch range: its own venv (set up like .venv, extensions included), the engine tests.
 setup-range:
 	$(MAKE) VENV=.venv-torch$(RANGE_TORCH) TORCH=$(RANGE_TORCH) setup-test
 
 test-range: lint setup-range
-	PATH=$(abspath .venv-torch$(RANGE_TORCH))/bin:$$PATH .venv-torch$(RANGE_TORCH)/bin/python -m pytest -n auto \
+	PATH=$(abspath .venv-torch$(RANGE_TORCH))/bin:$$PATH .venv-torch$(RANGE_TORCH)/bin/python -m pytest $(XDIST) \
 		$(DURATIONS) $(RANGE_TESTS) $(PYTEST_ARGS)

@@ -142,5 +142,7 @@ def ortflow_cli(monkeypatch, capfd):
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The end-to-end runs (`slow`) first, the quick tests after them: the workers then finish together instead of
-    one running a long test while the others have run out of work. The order is the same in every worker (stable)."""
+    one running a long test while the others have run out of work. The order is the same in every worker (stable).
+    It needs xdist to hand out few tests at a time (`--maxschedchunk=2`, the Makefile's XDIST): by default each
+    worker first gets one block of consecutive tests, and the first worker's block held every slow test."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -287,9 +287,11 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     world = distributed.world_from_env()  # every rank trains; only rank 0 writes files
     cfg = fast_dev_run(cfg)
     run = RunDir(run_dir, _config_dict(cfg), overrides, cfg.seed, world)
+    started = False  # whether anything stop() releases may exist (not after a refused config)
     try:
         with interrupt_on_signals():
             validate(cfg)  # the wrapper order included: before any process group starts
+            started = True
             world = distributed.start(cfg.distributed)
             run.open(cfg.trainer.resume, cfg.trainer.checkpoint.keep, world)
             try:
@@ -313,7 +315,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
         raise
     finally:
         run.release()
-        distributed.stop()  # the engine's ORT sessions and DDP, then the process group: none left to shutdown
+        if started:  # the engine's ORT sessions and DDP, then the process group: none left to shutdown
+            distributed.stop()
     run.finish("pruned" if results["ended_by"] == "pruned" else "completed", metrics=metrics, **results)
     execution = results["engine"]
     evals = ", ".join(f"{k.replace('/', ' ')} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))
