@@ -1,6 +1,6 @@
 """A malformed-input corpus generated from the schema: for every option, values just outside its declared range, a
-value of the wrong type, and an empty value where a string may not be empty. Each must stop with exit status 2 (ortflow's check) or 1 (Hydra's
-type check), name the key, print no traceback, and change no existing file."""
+value of the wrong type, and an empty value where a string may not be empty. Each must stop with exit status 2
+(ortflow's check) or 1 (Hydra's type check), name the key, print no traceback, and change no existing file."""
 
 import dataclasses
 import enum

@@ -227,11 +227,11 @@ def test_a_disk_that_fills_during_a_run_is_named_and_leaves_only_complete_files(
 @pytest.mark.slow
 def test_nodes_that_never_come_end_the_launch_with_the_reason(tmp_path):
     args = [*TINY, "distributed=ddp", "distributed.nnodes=2", "distributed.nproc_per_node=1"]
-    args += ["distributed.rdzv_timeout_s=5", "distributed.rdzv_endpoint=127.0.0.1:29731", "hydra.run.dir=node0"]
+    args += ["distributed.rdzv_timeout_s=2", "distributed.rdzv_endpoint=127.0.0.1:29731", "hydra.run.dir=node0"]
     started = time.monotonic()
     result = run_cli(*args, cwd=tmp_path, timeout=240)
     assert result.returncode != 0 and time.monotonic() - started < 200
-    assert "did not all join the rendezvous at 127.0.0.1:29731 within distributed.rdzv_timeout_s=5" in result.stderr
+    assert "did not all join the rendezvous at 127.0.0.1:29731 within distributed.rdzv_timeout_s=2" in result.stderr
 
 
 def _ranks_of(run_dir: Path) -> list[int]:
