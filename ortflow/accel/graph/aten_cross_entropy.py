@@ -107,7 +107,7 @@ def _linear_cross_entropy(
     scores = logits.reshape([logits.size(i) if size == 0 else size for i, size in enumerate(shape)])
     if scores.dim() == 2:
         loss = _loss_and_gradient(scores, target.reshape(-1), ignore_index, reduction)
-        return loss, logits, a16, b16, returned
+        return loss, scores.reshape(logits.shape), a16, b16, returned  # the gradient, wherever reshape put it
     # classes at dimension 1 of (N, C, d1, ...): rows of C for the loss, the gradient moved back
     flat = scores.movedim(1, -1).reshape(-1, scores.size(1)) if scores.dim() > 2 else scores.reshape(1, -1)
     loss = _loss_and_gradient(flat, target.reshape(-1), ignore_index, reduction)
