@@ -267,14 +267,7 @@ def fuse_lm_head_losses(model: onnx.ModelProto) -> int:
         dropped.update((logits, reshape.output[0]))
     if not fused:
         return 0
-    kept = []
-    for node in graph.node:
-        if node.output and node.output[0] in fused:
-            kept.extend(fused[node.output[0]])
-        elif not (node.output and node.output[0] in dropped):
-            kept.append(node)
-    del graph.node[:]
-    graph.node.extend(kept)
+    onnx_values.replace_nodes(graph, fused, dropped)
     for _, node in fused.values():  # the saved gradient is a bf16 tensor (ORT cannot infer an ATen node's types)
         graph.value_info.append(helper.make_empty_tensor_value_info(node.output[1]))
         graph.value_info[-1].type.tensor_type.elem_type = onnx.TensorProto.BFLOAT16

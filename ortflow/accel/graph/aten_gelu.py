@@ -138,14 +138,7 @@ def tanh_gelus_to_aten(model: onnx.ModelProto) -> int:
         dropped.update(n.output[0] for n in (*pattern, final))
     if not replaced:
         return 0
-    kept = []
-    for node in graph.node:
-        if node.output and node.output[0] in replaced:
-            kept.append(replaced[node.output[0]])
-        elif not (node.output and node.output[0] in dropped):
-            kept.append(node)
-    del graph.node[:]
-    graph.node.extend(kept)
+    onnx_values.replace_nodes(graph, {out: [node] for out, node in replaced.items()}, dropped)
     if not any(o.domain == "org.pytorch.aten" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("org.pytorch.aten", 1))
     # ORT cannot infer an ATen node's output type: each output is typed as its input (the graph's floats)

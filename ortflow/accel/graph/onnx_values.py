@@ -19,3 +19,17 @@ def readers(graph: onnx.GraphProto) -> dict[str, int]:
     for out in graph.output:
         count[out.name] = count.get(out.name, 0) + 1
     return count
+
+
+def replace_nodes(graph: onnx.GraphProto, replacements: dict[str, list[onnx.NodeProto]], dropped: set[str]) -> None:
+    """Rewrite the graph's node list in place, keeping its order: a node whose first output is a key of
+    `replacements` becomes those nodes, one whose first output is in `dropped` goes."""
+    kept: list[onnx.NodeProto] = []
+    for node in graph.node:
+        first = node.output[0] if node.output else None
+        if first in replacements:
+            kept.extend(replacements[first])
+        elif first not in dropped:
+            kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
