@@ -218,9 +218,21 @@ def _optimizer_block(optim: OptimConfig, grad_clip: float | None):
     return onnxblock.optim.SGD(clip_grad=clip)
 
 
+def _returns_loss_only(training: onnx.ModelProto, output: str) -> None:
+    """The training graph without the model's output among its outputs: the training step reads the loss only, and
+    ORT then copies no (batch x classes) output out of its session each step (GPT-2's logits: 206 MB); a fused
+    LM-head loss computes no fp32 logits at all. The value stays typed (ORT infers no ATen node's types)."""
+    graph = training.graph
+    graph.value_info.extend(o for o in graph.output if o.name == output)
+    kept = [o for o in graph.output if o.name != output]
+    del graph.output[:]
+    graph.output.extend(kept)
+    aten_cross_entropy.stop_returning_logits(training)
+
+
 def _loss(fetched: tuple | np.ndarray) -> float:
-    """The loss of a training-graph run: its first output ((loss, output), or the loss alone where the training graph
-    returns no logits: aten_cross_entropy.without_returned_logits)."""
+    """The loss of a training-graph run (which returns it alone: `_returns_loss_only`; a tuple's first value
+    otherwise)."""
     return float(fetched[0] if isinstance(fetched, tuple) else fetched)
 
 
@@ -328,13 +340,12 @@ class ArtifactsEngine:
                 artifact_directory=onnx_dir,
                 additional_output_names=["output"] if self.loss_block is not None else None,
             )
+        training_path = onnx_dir / "training_model.onnx"
+        training_model = onnx.load(str(training_path))  # parameters are graph inputs: a small file
         if self.aten_nodes:
-            training_path = onnx_dir / "training_model.onnx"
-            training_model = onnx.load(str(training_path))
             aten_nodes.type_gradient_outputs(training_model)
-            # A fused LM-head loss computes no fp32 logits for training: the training step reads the loss only
-            aten_cross_entropy.without_returned_logits(training_model, "output")
-            onnx.save(training_model, str(training_path))
+        _returns_loss_only(training_model, "output")
+        onnx.save(training_model, str(training_path))
         if any(node.op_type == "BatchNormalization" for node in forward.graph.node):
             eval_path = onnx_dir / "eval_model.onnx"
             eval_model = onnx.load(str(eval_path))

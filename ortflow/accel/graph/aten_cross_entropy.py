@@ -229,7 +229,7 @@ def fuse_lm_head_losses(model: onnx.ModelProto) -> int:
     else reads the logits (a graph output may: the artifacts engine's eval graph returns them), by one ATen node
     running `ortflow::linear_cross_entropy_bf16`: the logits stay bf16 (no fp32 copy of the (tokens x vocabulary)
     logits, no cast of their gradient back to bf16) and the loss is computed as autocast's eager loss computes it,
-    with its gradient, in one pass. Returns how many it fused; `without_returned_logits` turns the logits output
+    with its gradient, in one pass. Returns how many it fused; `stop_returning_logits` turns the logits output
     off in a training graph that need not return them."""
     graph = model.graph
     producer = {out: node for node in graph.node for out in node.output if out}
@@ -274,19 +274,10 @@ def fuse_lm_head_losses(model: onnx.ModelProto) -> int:
     return len(fused)
 
 
-def without_returned_logits(model: onnx.ModelProto, output: str) -> bool:
-    """A training graph whose fused LM-head loss returns the logits as the graph output `output` (the artifacts
-    engine's training graph, built from the forward graph its eval graph shares): the fused nodes compute no fp32
-    logits and `output` is no longer returned. Returns whether there was one."""
-    graph = model.graph
-    flags = [n for n in graph.node if n.op_type == "Constant" and n.output[0].endswith(f"/{RETURN_LOGITS}")]
-    returned = any(n.output[4] == output for n in graph.node if aten_nodes.operator(n) == FUSED)
-    if not returned:
-        return False
+def stop_returning_logits(model: onnx.ModelProto) -> int:
+    """In a training graph whose caller no longer returns the logits (the artifacts engine's: its eval graph, built
+    from the same forward graph, still does), the fused nodes compute no fp32 logits. Returns how many there are."""
+    flags = [n for n in model.graph.node if n.op_type == "Constant" and n.output[0].endswith(f"/{RETURN_LOGITS}")]
     for flag in flags:
         flag.attribute[0].t.CopyFrom(numpy_helper.from_array(np.array(False)))
-    kept = [o for o in graph.output if o.name != output]
-    graph.value_info.extend(o for o in graph.output if o.name == output)  # still typed: ORT infers no ATen types
-    del graph.output[:]
-    graph.output.extend(kept)
-    return True
+    return len(flags)
