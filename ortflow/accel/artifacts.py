@@ -297,10 +297,8 @@ class ArtifactsEngine:
         forward = onnx.load(str(forward_path))
         if accel.gelu_by_torch(ctx.precision):  # GELU's gradient by torch, not ORT's FastGeluGrad
             aten_gelu.tanh_gelus_to_aten(forward)
-        if by_torch:  # the loss by torch, not ORT's SoftmaxCrossEntropyLoss
-            aten_cross_entropy.softmax_cross_entropies_to_aten(forward)
-            if ctx.precision == BF16:  # and where it is the LM head's, with its bf16 GEMM in one node
-                aten_cross_entropy.fuse_lm_head_losses(forward)
+        if by_torch:  # the loss by torch, not ORT's SoftmaxCrossEntropyLoss (in bf16 fused with the LM head)
+            aten_cross_entropy.losses_to_aten(forward, ctx.precision == BF16)
         # Convolutions (accel.aten_conv, transposed ones always), LayerNorms (accel.aten_layer_norm), upsampling
         # (always: ORT has no CPU ResizeGrad) and, in bf16, matrix multiplies as ATen nodes: torch runs them inside
         # ORT (accel/graph/aten_nodes.py).

@@ -274,6 +274,14 @@ def fuse_lm_head_losses(model: onnx.ModelProto) -> int:
     return len(fused)
 
 
+def losses_to_aten(model: onnx.ModelProto, bf16: bool) -> None:
+    """What `accel.aten_cross_entropy` does to an exported graph, in both engines: each plain softmax cross-entropy
+    by torch, and in bf16 the LM head's GEMM and loss in one node where they can be."""
+    softmax_cross_entropies_to_aten(model)
+    if bf16:
+        fuse_lm_head_losses(model)
+
+
 def stop_returning_logits(model: onnx.ModelProto) -> int:
     """In a training graph whose caller no longer returns the logits (the artifacts engine's: its eval graph, built
     from the same forward graph, still does), the fused nodes compute no fp32 logits. Returns how many there are."""

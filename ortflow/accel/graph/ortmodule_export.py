@@ -55,10 +55,10 @@ def _fix(
     assert not masks, "ORTModule cannot feed dropout masks"  # Rewrites.dropout_masks is artifacts-only
     if settings.aten_gelu:  # GELU's gradient by torch, not ORT's FastGeluGrad
         aten_gelu.tanh_gelus_to_aten(model)
-    if settings.aten_cross_entropy:  # the loss by torch, not ORT's SoftmaxCrossEntropyLoss
-        aten_cross_entropy.softmax_cross_entropies_to_aten(model)
-        if settings.bf16:  # and where it is the LM head's, with its bf16 GEMM in one node
-            aten_cross_entropy.fuse_lm_head_losses(model)
+    if (
+        settings.aten_cross_entropy
+    ):  # the loss by torch, not ORT's SoftmaxCrossEntropyLoss (in bf16 fused with the LM head)
+        aten_cross_entropy.losses_to_aten(model, settings.bf16)
     if torch_nodes := aten_nodes.count_all(model):
         # ORTModule builds its gradient graph for the trainable parameters only (the compatibility layer's patch), so
         # the ATen nodes compute no gradient for a frozen weight either (and keep its bf16 copy from step to step).
