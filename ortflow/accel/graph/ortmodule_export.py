@@ -55,9 +55,7 @@ def _fix(
     assert not masks, "ORTModule cannot feed dropout masks"  # Rewrites.dropout_masks is artifacts-only
     if settings.aten_gelu:  # GELU's gradient by torch, not ORT's FastGeluGrad
         aten_gelu.tanh_gelus_to_aten(model)
-    if (
-        settings.aten_cross_entropy
-    ):  # the loss by torch, not ORT's SoftmaxCrossEntropyLoss (in bf16 fused with the LM head)
+    if settings.aten_cross_entropy:  # the loss by torch (in bf16 fused with the LM head), not ORT's
         aten_cross_entropy.losses_to_aten(model, settings.bf16)
     if torch_nodes := aten_nodes.count_all(model):
         # ORTModule builds its gradient graph for the trainable parameters only (the compatibility layer's patch), so
