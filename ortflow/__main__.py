@@ -1,4 +1,4 @@
-"""`python -m ortflow ...`: the same as the `ortflow` command (torchrun starts ranks this way)."""
+"""`python -m ortflow ...`: the same as the `ortflow` command (a torchrun started by hand starts ranks this way)."""
 
 from ortflow.cli.train import main
 

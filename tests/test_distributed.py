@@ -99,6 +99,7 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(accel, tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     info = record(tmp_path / "two")["engine"]
     assert info["world_size"] == 2 and info["replicas_identical"]  # parameters bitwise equal on both ranks
+    assert info["ranks_started_by"] == "fork"  # from the command, whose imports were done
     expected = "onnxruntime" if accel == "ortmodule" else "pytorch"
     assert info["ranks_executed_by"] == [expected, expected]
     a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
@@ -194,15 +195,17 @@ def test_a_ddp_ortmodule_run_leaves_no_threads_to_interpreter_shutdown(tmp_path)
 
 @pytest.mark.slow
 def test_a_sweep_of_ddp_jobs_makes_one_dir_per_job(tmp_path):
-    result = run_cli(
-        "-m", *SMALL, "distributed=ddp", "data.batch_size=8", "seed=1,2", "hydra.sweep.dir=sweep", cwd=tmp_path
-    )
+    """Job 0 trains in the command's process (one rank), with two intra-op threads on batches large enough for
+    torch's OpenMP threads to start; they then make job 1's ranks start as fresh interpreters, not forked ones."""
+    sweep = ["distributed.nproc_per_node=1,2", "hydra.sweep.dir=sweep"]
+    args = ["-m", *SMALL, "distributed=ddp", "data.batch_size=64", *sweep]
+    result = run_cli(*args, cwd=tmp_path, env={"OMP_NUM_THREADS": "2"})
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert jobs == ["0", "1"]
-    for job in jobs:
-        info = record(tmp_path / "sweep" / job)
-        assert info["status"] == "completed" and info["engine"]["world_size"] == 2
+    assert all(record(tmp_path / "sweep" / job)["status"] == "completed" for job in jobs)
+    two = record(tmp_path / "sweep" / "1")["engine"]
+    assert two["world_size"] == 2 and two["ranks_started_by"] == "spawn" and two["replicas_identical"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no stray run dirs
 
 
@@ -266,6 +269,7 @@ def test_torchrun_started_by_hand_shares_one_run_dir(tmp_path):
     (run_dir,) = (tmp_path / "outputs").glob("*/torchrun-*")  # one dir for both ranks, named after the run id
     info = record(run_dir)["engine"]
     assert info["ranks_executed_by"] == ["onnxruntime"] * 2 and info["replicas_identical"]
+    assert info["ranks_started_by"] == "torchrun"
     assert sorted(p.name for p in (tmp_path / "outputs").rglob("*") if p.parent.parent == tmp_path / "outputs") == [
         run_dir.name
     ]

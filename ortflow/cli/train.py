@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -27,8 +29,8 @@ from ortflow.files import read_record
 from ortflow.paths import config_dir
 from ortflow.report.summary import print_summary
 from ortflow.run import launch
-from ortflow.run.guard import claim, owns_its_dir, release_held
-from ortflow.run.signals import Interrupted, Preempted
+from ortflow.run.guard import claim, forget_held, owns_its_dir, release_held
+from ortflow.run.signals import Interrupted, Preempted, stop_was_asked
 from ortflow.validate import validate
 
 log = logging.getLogger("ortflow")
@@ -83,13 +85,14 @@ def _main(cfg: DictConfig) -> float:
     except Preempted as err:
         summary()
         # A clean stop (exit status 0) that a scheduler can requeue; a sweep stops here too, resumable as a whole.
-        print(
-            f"ortflow: {err}. Continue with the same command plus trainer.resume=auto"
-            + ("" if sweeping else f" hydra.run.dir={run_dir}")
-            + ".",
-            file=sys.stderr,
-            flush=True,
-        )
+        if not distributed.world_from_env().rank:
+            print(
+                f"ortflow: {err}. Continue with the same command plus trainer.resume=auto"
+                + ("" if sweeping else f" hydra.run.dir={run_dir}")
+                + ".",
+                file=sys.stderr,
+                flush=True,
+            )
         sys.exit(0)
     except Interrupted as err:
         summary()
@@ -120,7 +123,7 @@ def _rank() -> str:
 def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], hydra_overrides: list[str], sweeping: bool) -> float:
     """Run this (validated) run or sweep job under torchrun; its rank 0 writes run.json, read back here."""
     started = time.monotonic()
-    status = launch.run_torchrun(cfg, run_dir, overrides, hydra_overrides)
+    status = launch.run_torchrun(cfg, run_dir, overrides, hydra_overrides, rank_main)
     if status and (reason := launch.rendezvous_timed_out(cfg, run_dir, time.monotonic() - started)):
         print(f"ortflow: error: {reason}", file=sys.stderr, flush=True)
     if record := completed_before(run_dir, overrides):
@@ -137,6 +140,7 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], hydra_override
 
 @record_errors
 def main() -> None:
+    launch.command_started()
     try:
         preflight.check(sys.argv[1:])
         sys.argv += launch.rank_overrides(sys.argv[1:])
@@ -150,6 +154,36 @@ def main() -> None:
         sys.exit(128 + signal.SIGINT)
     finally:
         release_held()  # the dirs this command claimed (exiting releases them too; a caller in-process goes on)
+
+
+def rank_main(args: list[str], agent: int) -> None:
+    """One rank, in the process the agent started for it: the `ortflow ARGS` command, as torchrun would start it.
+
+    Forked, this process holds the launching command's state: it ends with the agent as torchrun's ranks do, takes
+    the default signal handlers back from the agent's, leaves the run dir's lock to its owner and reads its thread
+    count from OMP_NUM_THREADS again. It ends with the command's status; a rank stopped by SIGTERM (checkpoint
+    written) ends with 143, which the launching command reads as a stop: the run's record says "preempted"."""
+    launch.end_with_parent()
+    if os.getppid() != agent:  # the agent died before the line above
+        os._exit(128 + signal.SIGTERM)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    forget_held()
+    GlobalHydra.instance().clear()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    sys.argv = [sys.argv[0], *args]
+    try:
+        main()
+    except SystemExit as end:
+        if end.code:
+            raise
+    if stop_was_asked():
+        # Stopped by SIGTERM with its checkpoint written. The agent that sent it waits for the rank to exit, which
+        # a returning rank would not do before the agent read its result: exit now, with the signal's status.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,13 @@ def release_held() -> None:
         _held.pop().release()
 
 
+def forget_held() -> None:
+    """In a rank forked from the command: the dirs stay locked by the command, which holds them (the copies of its
+    lock files' descriptors are closed here, without unlocking)."""
+    while _held:
+        _held.pop().forget()
+
+
 def owns_its_dir() -> bool:
     """False for processes that share a run dir its owner already holds: the ranks ortflow starts under torchrun,
     and ranks other than 0 of a run started with torchrun by hand."""

@@ -74,6 +74,13 @@ class RunDirLock:
             os.close(self._fd)
             self._fd = None
 
+    def forget(self) -> None:
+        """Close this process's descriptor of the lock without unlocking: in a forked child, whose parent keeps the
+        lock (a flock belongs to the open file, which the parent's descriptor keeps open)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
 
 def _read_owner(fd: int) -> dict[str, Any]:
     """The owner's record; a process that has just taken the lock writes it a moment later, so wait briefly."""

@@ -33,7 +33,7 @@ from ortflow.model.freeze import ParameterCount, freeze
 from ortflow.model.hf import check_vocabulary
 from ortflow.report import terminal
 from ortflow.report.logger import RunLogger
-from ortflow.run import checkpoint, export, export_hf, pruning
+from ortflow.run import checkpoint, export, export_hf, launch, pruning
 from ortflow.run.rundir import RunDir
 from ortflow.run.seeding import seed_everything
 from ortflow.run.signals import Interrupted, Preempted, interrupt_on_signals
@@ -403,6 +403,7 @@ def _train(
         if world.size > 1:  # proof per rank: each one's own engine says what executed there
             execution["ranks_executed_by"] = distributed.gather(execution["executed_by"])
             execution["world_size"] = world.size
+            execution["ranks_started_by"] = launch.ranks_started_by()
             digests = distributed.gather(checkpoint.digest(engine.model_state_dict()))
             execution["replicas_identical"] = len(set(digests)) == 1  # bitwise, checked at the end
         # 1 when ONNX Runtime executed every training step, 0 otherwise: plotted beside the loss.

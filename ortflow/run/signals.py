@@ -11,6 +11,14 @@ from contextlib import contextmanager
 log = logging.getLogger(__name__)
 
 
+_asked: list[int] = []  # the stop signals this process's runs were sent (SIGTERM in the loop)
+
+
+def stop_was_asked() -> bool:
+    """Whether a run in this process stopped on request (a checkpoint written, the command exits with 0)."""
+    return bool(_asked)
+
+
 class StopRequest:
     def __init__(self) -> None:
         self.signal: int | None = None
@@ -39,6 +47,7 @@ def stop_on_sigterm() -> Iterator[StopRequest]:
 
     def handler(signum: int, _frame) -> None:
         request.signal = signum
+        _asked.append(signum)
         log.warning("SIGTERM received: writing a checkpoint after this step, then stopping")
 
     previous = signal.signal(signal.SIGTERM, handler)

@@ -259,7 +259,7 @@ def test_the_processes_ortflow_starts_end_when_it_is_killed(tmp_path):
     args = [*TINY, "trainer.max_steps=100000", "distributed=ddp", f"hydra.run.dir={run_dir}"]
     parent = subprocess.Popen([sys.executable, "-m", "ortflow", *args], cwd=tmp_path, stderr=subprocess.DEVNULL)
     _wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0)
-    assert len(_ranks_of(run_dir)) >= 3  # torchrun and its 2 ranks
+    assert len(_ranks_of(run_dir)) >= 3  # the command (torchrun's agent) and its 2 ranks
     parent.kill()
     parent.wait()
     _wait_for(lambda: not _ranks_of(run_dir), timeout=60)
