@@ -158,11 +158,6 @@ aten_nodes.register(
 )
 
 
-def _attribute(node: onnx.NodeProto, name: str, default):
-    found = next((a for a in node.attribute if a.name == name), None)
-    return default if found is None else helper.get_attribute_value(found)
-
-
 def _plain(node: onnx.NodeProto) -> bool:
     """ONNX's SoftmaxCrossEntropyLoss(scores, labels), or ORTModule's export of F.cross_entropy,
     com.microsoft's SoftmaxCrossEntropyLossInternal(scores, labels, weight, ignore_index), without class weights and
@@ -171,7 +166,10 @@ def _plain(node: onnx.NodeProto) -> bool:
         return len(node.input) == 2
     if node.op_type == "SoftmaxCrossEntropyLossInternal" and node.domain == "com.microsoft":
         weighted = len(node.input) > 2 and node.input[2] != ""
-        return not weighted and _attribute(node, "output_type", onnx.TensorProto.FLOAT) == onnx.TensorProto.FLOAT
+        return (
+            not weighted
+            and onnx_values.attribute(node, "output_type", onnx.TensorProto.FLOAT) == onnx.TensorProto.FLOAT
+        )
     return False
 
 
@@ -183,7 +181,7 @@ def softmax_cross_entropies_to_aten(model: onnx.ModelProto) -> int:
     reads = onnx_values.readers(graph)
     kept, replaced = [], 0
     for node in graph.node:
-        reduction = _attribute(node, "reduction", b"mean")
+        reduction = onnx_values.attribute(node, "reduction", b"mean")
         reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
         unread = len(node.output) < 2 or not node.output[1] or reads.get(node.output[1], 0) == 0
         if not (_plain(node) and unread and reduction in REDUCTIONS):
@@ -193,7 +191,9 @@ def softmax_cross_entropies_to_aten(model: onnx.ModelProto) -> int:
         ignore_index = node.input[3] if len(node.input) > 3 and node.input[3] else None  # the Internal op's input
         constants = {"reduction": torch.tensor(REDUCTIONS[reduction], dtype=torch.int64)}
         if ignore_index is None:
-            constants["ignore_index"] = torch.tensor(_attribute(node, "ignore_index", NO_IGNORED), dtype=torch.int64)
+            constants["ignore_index"] = torch.tensor(
+                onnx_values.attribute(node, "ignore_index", NO_IGNORED), dtype=torch.int64
+            )
         for key, value in constants.items():
             kept.append(
                 helper.make_node("Constant", [], [f"{base}/{key}"], value=numpy_helper.from_array(value.numpy()))
@@ -240,7 +240,7 @@ def fuse_lm_head_losses(model: onnx.ModelProto) -> int:
     dropped: set[str] = set()  # the first outputs of the nodes the fused ones replace
     for loss in (n for n in graph.node if aten_nodes.operator(n) == OPERATOR):
         reshape = producer.get(loss.input[0])
-        if reshape is None or reshape.op_type != "Reshape" or _attribute(reshape, "allowzero", 0):
+        if reshape is None or reshape.op_type != "Reshape" or onnx_values.attribute(reshape, "allowzero", 0):
             continue
         gemm = producer.get(reshape.input[0])
         if gemm is None or aten_nodes.operator(gemm) != aten_gemm.OPERATOR or gemm.output[0] != reshape.input[0]:

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 
 from ortflow.accel.compat import ort
+from ortflow.accel.graph.onnx_values import attribute
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ def operator(node: onnx.NodeProto) -> str | None:
     """The `operator` an ATen node runs (None for any other node)."""
     if node.op_type != "ATen":
         return None
-    return next((a.s.decode() for a in node.attribute if a.name == "operator"), None)
+    found = attribute(node, "operator")
+    return None if found is None else found.decode()
 
 
 def count_all(model: onnx.ModelProto) -> dict[str, int]:

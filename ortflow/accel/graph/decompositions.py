@@ -32,14 +32,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.accel.graph import einsum
-from ortflow.accel.graph.onnx_values import value_types
+from ortflow.accel.graph.onnx_values import attribute, value_types
 
 Emit = Callable[[str, list[str], dict], str]  # (op, inputs, attributes) -> output name
 Ints = Callable[[list[int]], str]  # an int64 constant -> its name
-
-
-def _attr(node: onnx.NodeProto, name: str, default: float) -> float:
-    return next((a.f for a in node.attribute if a.name == name), default)
 
 
 def _elu(emit: Emit, const: Callable[[float], str], x: str, alpha: float, scale_inside: float = 1.0) -> str:
@@ -54,8 +50,8 @@ def _depth_to_space(node: onnx.NodeProto, emit: Emit, ints: Ints) -> str:
     """ONNX's definition: (N, C*b*b, H, W) viewed as (N, b, b, C, H, W) (mode DCR) or (N, C, b, b, H, W) (CRD),
     transposed to (N, C, H, b, W, b), viewed as (N, C, H*b, W*b). The sizes come from the input's shape at run time
     (a batch left dynamic by the export stays so)."""
-    b = next((a.i for a in node.attribute if a.name == "blocksize"), 1)
-    crd = next((a.s for a in node.attribute if a.name == "mode"), b"DCR") == b"CRD"
+    b = attribute(node, "blocksize", 1)
+    crd = attribute(node, "mode", b"DCR") == b"CRD"
     x = node.input[0]
     shape = emit("Shape", [x], {})
     n = emit("Slice", [shape, ints([0]), ints([1])], {})
@@ -75,20 +71,22 @@ def _write(
     x = node.input[0]
     op = node.op_type
     if op == "HardSigmoid":
-        scaled = emit("Mul", [x, const(_attr(node, "alpha", 0.2))], {})
-        return emit("Clip", [emit("Add", [scaled, const(_attr(node, "beta", 0.5))], {}), const(0.0), const(1.0)], {})
+        scaled = emit("Mul", [x, const(attribute(node, "alpha", 0.2))], {})
+        return emit(
+            "Clip", [emit("Add", [scaled, const(attribute(node, "beta", 0.5))], {}), const(0.0), const(1.0)], {}
+        )
     if op == "HardSwish":
         gate = emit(
             "Clip", [emit("Add", [emit("Mul", [x, const(1 / 6)], {}), const(0.5)], {}), const(0.0), const(1.0)], {}
         )
         return emit("Mul", [x, gate], {})
     if op == "Elu":
-        return _elu(emit, const, x, _attr(node, "alpha", 1.0))
+        return _elu(emit, const, x, attribute(node, "alpha", 1.0))
     if op == "Selu":
-        elu = _elu(emit, const, x, _attr(node, "alpha", 1.67326319217681884765625))
-        return emit("Mul", [elu, const(_attr(node, "gamma", 1.05070102214813232421875))], {})
+        elu = _elu(emit, const, x, attribute(node, "alpha", 1.67326319217681884765625))
+        return emit("Mul", [elu, const(attribute(node, "gamma", 1.05070102214813232421875))], {})
     if op == "Celu":
-        alpha = _attr(node, "alpha", 1.0)
+        alpha = attribute(node, "alpha", 1.0)
         return _elu(emit, const, x, alpha, scale_inside=1 / alpha)
     if op == "Softplus":
         capped = emit("Min", [x, const(20.0)], {})
@@ -101,7 +99,7 @@ def _write(
     if op == "DepthToSpace":
         return _depth_to_space(node, emit, ints)
     if op == "Einsum":
-        equation = next((a.s.decode() for a in node.attribute if a.name == "equation"), "")
+        equation = attribute(node, "equation", b"").decode()
         if (parsed := einsum.parse(equation, ranks)) is None:
             return None
         return einsum.decompose(list(node.input), *parsed, emit, ints)

@@ -30,7 +30,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.accel.compat import ort
-from ortflow.accel.graph.onnx_values import value_types
+from ortflow.accel.graph.onnx_values import attribute, value_types
 from ortflow.errors import ModelError
 
 Definition = Callable[[], list[tuple]]
@@ -148,15 +148,6 @@ def register_gradients() -> None:
         ort.register_onnx_gradient(op_type, definition)
 
 
-def _ints(attribute: str, node: onnx.NodeProto) -> list[int] | None:
-    found = next((a for a in node.attribute if a.name == attribute), None)
-    return None if found is None else list(found.ints)
-
-
-def _int(attribute: str, node: onnx.NodeProto, default: int) -> int:
-    return next((a.i for a in node.attribute if a.name == attribute), default)
-
-
 def _drop(node: onnx.NodeProto, attribute: str) -> None:
     kept = [a for a in node.attribute if a.name != attribute]
     del node.attribute[:]
@@ -194,7 +185,7 @@ def _cumsum(node: onnx.NodeProto, constants: dict[str, np.ndarray], rank: int | 
     """A CumSum with exclusive or reverse set, as the plain CumSum (exclusive=0, reverse=0) its gradient holds for:
     reverse runs it between two Gathers that reverse the axis, exclusive shifts its result by one along the axis
     (the sum of the elements before each one is the inclusive sum one position earlier; a Pad puts the first 0)."""
-    exclusive, reverse = _int("exclusive", node, 0), _int("reverse", node, 0)
+    exclusive, reverse = attribute(node, "exclusive", 0), attribute(node, "reverse", 0)
     axis_value = constants.get(node.input[1])
     if axis_value is None or rank is None:
         raise ModelError(
@@ -230,7 +221,7 @@ def _cumsum(node: onnx.NodeProto, constants: dict[str, np.ndarray], rank: int | 
 def _keep_dims(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> list[onnx.NodeProto]:
     """A reduction with keepdims=0 as one with keepdims=1 (its gradient's form) and a Squeeze of its reduced axes
     (all of them when it reduces every axis)."""
-    axes = _ints("axes", node)
+    axes = attribute(node, "axes")
     if axes is None and len(node.input) > 1 and node.input[1]:  # opset 18: the axes are an input
         known = constants.get(node.input[1])
         if known is None:
@@ -239,7 +230,7 @@ def _keep_dims(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> list[o
                 "gradient for it needs them known before training; use accel=none."
             )
         axes = [int(a) for a in known.reshape(-1)]
-    if not axes and _int("noop_with_empty_axes", node, 0):  # opset 18: no reduction, Y is X (any form holds)
+    if not axes and attribute(node, "noop_with_empty_axes", 0):  # opset 18: no reduction, Y is X (any form holds)
         return [node]
     w = _Writer(node.name or node.output[0])
     kept = f"{w.base}/kept"
@@ -277,10 +268,10 @@ def prepare(model: onnx.ModelProto) -> int:
             nodes.append(node)
             continue
         count += 1
-        if node.op_type == "CumSum" and (_int("exclusive", node, 0) or _int("reverse", node, 0)):
+        if node.op_type == "CumSum" and (attribute(node, "exclusive", 0) or attribute(node, "reverse", 0)):
             has_shape = type_ is not None and type_.tensor_type.HasField("shape")
             nodes.extend(_cumsum(node, constants, len(type_.tensor_type.shape.dim) if has_shape else None))
-        elif node.op_type in _KEEPDIMS and not _int("keepdims", node, 1):
+        elif node.op_type in _KEEPDIMS and not attribute(node, "keepdims", 1):
             nodes.extend(_keep_dims(node, constants))
         else:
             nodes.append(node)

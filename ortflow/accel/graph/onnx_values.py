@@ -1,6 +1,9 @@
 """What a graph's values are: their types and shapes as ONNX shape inference knows them, and who reads them."""
 
+from typing import Any
+
 import onnx
+from onnx import helper
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
@@ -8,6 +11,12 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     inferred = onnx.shape_inference.infer_shapes(model)
     graph = inferred.graph
     return {v.name: v.type for v in (*graph.input, *graph.value_info, *graph.output)}
+
+
+def attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    """A node's attribute `name` as a Python value (ints, floats, bytes, lists, tensors), or `default` if absent."""
+    found = next((a for a in node.attribute if a.name == name), None)
+    return default if found is None else helper.get_attribute_value(found)
 
 
 def readers(graph: onnx.GraphProto) -> dict[str, int]:

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.accel.graph import decompositions, onnx_gradients
 from ortflow.accel.graph.batchnorm import batch_statistics_in_place
-from ortflow.accel.graph.onnx_values import readers, value_types
+from ortflow.accel.graph.onnx_values import attribute, readers, value_types
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def decompose_instance_norms(model: onnx.ModelProto) -> int:
         rank = len(type_.tensor_type.shape.dim)
         base = node.name or node.output[0]
         x, scale, bias = node.input[0], node.input[1], node.input[2]
-        epsilon = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        epsilon = attribute(node, "epsilon", 1e-5)
         axes = list(range(2, rank))
         eps = _const(nodes, f"{base}/epsilon", np.array(epsilon, dtype=np.float32))
         nodes.append(_reduce_mean(nodes, f"{base}/mean", x, axes, opset))
@@ -214,7 +214,7 @@ def constant_gathers_to_slices(model: onnx.ModelProto) -> int:
             nodes.append(node)
             continue
         i = int(index)
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        axis = attribute(node, "axis", 0)
         base = node.name or node.output[0]
         end = i + 1 if i != -1 else np.iinfo(np.int64).max  # i=-1: slice to the end
         starts = _const(nodes, f"{base}/starts", np.array([i]))
@@ -275,7 +275,7 @@ def small_embeddings_to_onehot_matmul(model: onnx.ModelProto, max_vocab: int) ->
     changed = 0
     for node in graph.node:
         weight = weights.get(node.input[0]) if node.op_type == "Gather" else None
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        axis = attribute(node, "axis", 0)
         if (
             weight is None
             or len(weight.dims) != 2
