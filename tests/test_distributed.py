@@ -195,10 +195,10 @@ def test_a_ddp_ortmodule_run_leaves_no_threads_to_interpreter_shutdown(tmp_path)
 
 @pytest.mark.slow
 def test_a_sweep_of_ddp_jobs_makes_one_dir_per_job(tmp_path):
-    """Job 0 trains in the command's process (one rank), with two intra-op threads on batches large enough for
-    torch's OpenMP threads to start; they then make job 1's ranks start as fresh interpreters, not forked ones."""
+    """Job 0 trains in the command's process (one rank) with two intra-op threads, so torch's OpenMP threads start
+    there; they then make job 1's ranks start as fresh interpreters, not forked ones."""
     sweep = ["distributed.nproc_per_node=1,2", "hydra.sweep.dir=sweep"]
-    args = ["-m", *SMALL, "distributed=ddp", "data.batch_size=64", *sweep]
+    args = ["-m", *SMALL, "distributed=ddp", "data.batch_size=8", *sweep]
     result = run_cli(*args, cwd=tmp_path, env={"OMP_NUM_THREADS": "2"})
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
