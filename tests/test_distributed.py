@@ -4,6 +4,7 @@ ends the run, two "nodes" on loopback, and sweeps of DDP jobs."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -113,6 +114,25 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(accel, tmp_path)
     # Only rank 0 wrote into the shared run dir.
     assert not (tmp_path / "two" / "onnx").exists() or not list((tmp_path / "two" / "onnx").glob("rank-*"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_command_checkpoints_every_rank_and_exits_0(tmp_path):
+    """A scheduler's SIGTERM reaches the command, whose agent passes it to the ranks: they write their checkpoint
+    and exit by themselves (not killed after the agent's 30 s wait); the record says preempted, exit status 0."""
+    args = [*SMALL, "trainer.max_steps=100000", "trainer.log_every=50", "distributed=ddp", "hydra.run.dir=run"]
+    proc = start_cli(*args, cwd=tmp_path)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.stat().st_size):
+        assert time.monotonic() < deadline, "the run never logged a step"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "forcefully exiting" not in stderr and stderr.count("Continue with") == 1, stderr[-3000:]
+    assert record(tmp_path / "run")["status"] == "preempted"
+    assert list((tmp_path / "run" / "checkpoints").glob("step-*.pt"))
 
 
 @pytest.mark.slow
