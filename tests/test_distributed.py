@@ -118,8 +118,9 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(accel, tmp_path)
 
 @pytest.mark.slow
 def test_sigterm_to_the_command_checkpoints_every_rank_and_exits_0(tmp_path):
-    """A scheduler's SIGTERM reaches the command, whose agent passes it to the ranks: they write their checkpoint
-    and exit by themselves (not killed after the agent's 30 s wait); the record says preempted, exit status 0."""
+    """A scheduler's SIGTERM reaches the command, whose agent passes it to the ranks: they stop after the current
+    step (rank 0 writes the checkpoint) and exit by themselves, not killed after the agent's 30 s wait; the record
+    says preempted, exit status 0."""
     args = [*SMALL, "trainer.max_steps=100000", "trainer.log_every=50", "distributed=ddp", "hydra.run.dir=run"]
     proc = start_cli(*args, cwd=tmp_path)
     metrics = tmp_path / "run" / "metrics.jsonl"
