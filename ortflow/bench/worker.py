@@ -9,7 +9,6 @@ points at the bench's log file.
 """
 
 import argparse
-import ctypes
 import gc
 import json
 import logging
@@ -26,17 +25,14 @@ from ortflow.api import register_configs
 from ortflow.bench.measure import measure, profile
 from ortflow.bench.plan import MODES
 from ortflow.bench.processes import PARENT_ENV
+from ortflow.run.launch import end_with_parent
 
 
 def _end_with_parent() -> None:
     """Linux: have the kernel send SIGTERM when the bench that started this process dies (even by SIGKILL), so no
     measurement runs on orphaned; if it is gone already, end now (a bench killed while this process imported)."""
     parent = os.environ.get(PARENT_ENV)
-    if parent is None or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != int(parent):
+    if parent is not None and sys.platform.startswith("linux") and not end_with_parent(int(parent)):
         sys.exit(1)
 
 

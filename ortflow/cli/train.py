@@ -163,8 +163,7 @@ def rank_main(args: list[str], agent: int) -> None:
     the default signal handlers back from the agent's, leaves the run dir's lock to its owner and reads its thread
     count from OMP_NUM_THREADS again. It ends with the command's status; a rank stopped by SIGTERM (checkpoint
     written) ends with 143, which the launching command reads as a stop: the run's record says "preempted"."""
-    launch.end_with_parent()
-    if os.getppid() != agent:  # the agent died before the line above
+    if not launch.end_with_parent(agent):  # the agent died before this rank started
         os._exit(128 + signal.SIGTERM)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)

@@ -61,11 +61,13 @@ def needs_launch(cfg: DictConfig) -> bool:
     return distributed.processes(cfg.distributed) > 1 and not distributed.under_torchrun()
 
 
-def end_with_parent() -> None:
-    """In a rank's process, Linux: the kernel sends it SIGTERM when the process that started it (the agent) dies, by
-    SIGKILL too, so a rank is never left orphaned; it checkpoints and stops as on any SIGTERM."""
+def end_with_parent(parent: int) -> bool:
+    """In a process `parent` started (a rank, a benchmark measurement), Linux: the kernel sends it SIGTERM when its
+    parent dies, by SIGKILL too, so it is never left orphaned (a rank checkpoints and stops as on any SIGTERM).
+    Returns whether `parent` is still alive: False when it died before the signal was set up."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    return os.getppid() == parent
 
 
 def rendezvous_timed_out(cfg: DictConfig, run_dir: Path, elapsed_s: float) -> str | None:
