@@ -24,18 +24,12 @@ from torch import nn
 from ortflow.accel import failures
 from ortflow.accel.compat import export_warnings, ort, torch_onnx, versions
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
-from ortflow.accel.graph import (
-    aten_cross_entropy,
-    aten_gelu,
-    aten_nodes,
-    batchnorm,
-    bf16_weights,
-    onnx_gradients,
-    symbolics,
-)
-from ortflow.accel.graph.rewrites import MaskSampler, Rewrites, prepare_training_graph
+from ortflow.accel.graph import aten_cross_entropy, aten_nodes, batchnorm, bf16_weights, pipeline
+from ortflow.accel.graph import plan as graph_plan
+from ortflow.accel.graph.plan import GraphSettings, NoPortablePath
+from ortflow.accel.graph.rewrites import MaskSampler
 from ortflow.accel.none import debug_problems
-from ortflow.config import BF16, OptimConfig, OptimName
+from ortflow.config import OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.files import as_write_failure
@@ -53,8 +47,9 @@ MIN_OPSET = 14  # the lowest opset ORT's training graphs (SoftmaxCrossEntropyLos
 
 
 @dataclass
-class Settings:
-    """conf/accel/artifacts.yaml."""
+class Settings(GraphSettings):
+    """conf/accel/artifacts.yaml: the engine's own settings; the graph settings (target, rewrite_*, aten_*) are the
+    graph plan's, shared with the ortmodule engine (ortflow/accel/graph/plan.py: GraphSettings)."""
 
     _target_: str = "ortflow.accel.artifacts.build"
     # Below 14 ORT's training graph cannot be built; at 17 ORT's gradient builder breaks on LayerNormalization.
@@ -63,59 +58,10 @@ class Settings:
         None, Ge(1)
     )  # ORT's intra-op threads; null = as many as torch uses (one per physical core)
     allow_spinning: bool = True  # ORT's default; everything runs inside ORT here, so nothing competes with it
-    rewrite_gathers: bool = True  # as for ortmodule: constant-index Gather -> Slice before gradient building
-    rewrite_relu: bool = True  # as for ortmodule: Relu -> x * (x > 0), whose gradient ORT runs in parallel
-    # Embedding Gather on a weight of at most this many rows -> OneHot @ W: W's gradient becomes a Gemm instead of
-    # ORT's contending GatherGrad, at the cost of a (tokens x vocabulary) matmul. Measured on the transformer recipe
-    # (docs/performance.md): +13% at vocabulary 256, even at 1024, -11% at 4096. 0 = off.
-    rewrite_embedding_max_vocab: int = ranged(512, Ge(0))
-    # Dropout -> x * mask, the masks fed as graph inputs, drawn each step by a fast generator seeded from torch's RNG
-    # (so from the run's seed, and resumed exactly): ORT's CPU Dropout draws its random numbers slowly, on one thread.
-    rewrite_dropout: bool = True
-    # Convolutions run by torch's kernels inside ORT's graphs (ATen nodes; accel/graph/aten_conv.py), not ORT's own CPU
-    # Conv/ConvGrad: a VGG-style CNN trained ~1.2x faster in both ORT engines (docs/performance.md). Transposed
-    # convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-waiting is then off whatever
-    # allow_spinning says: spinning ORT threads would compete with torch's.
-    aten_conv: bool = True
-    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/graph/aten_layer_norm.py). null: on with
-    # trainer.precision=bf16-mixed (torch's kernels already run in the graph and ORT's single-threaded
-    # LayerNormalizationGrad is then the largest cost left), off in fp32, where it was slower at d_model 128 (-10 to
-    # -15%), no faster at 512, and turns spin-waiting off; on, it lowers artifacts' peak memory (-410 MB at d_model
-    # 512).
-    aten_layer_norm: bool | None = None
-
-    # GELU's tanh approximation (GPT-2's gelu_new) run by torch's kernels inside ORT's graphs (an ATen node;
-    # accel/graph/aten_gelu.py), not ORT's FastGelu/FastGeluGrad, whose gradient took 105 ms per (1024 x 3072) call
-    # against torch's 4-10 ms on a 2-core Zen 5. null: on with trainer.precision=bf16-mixed (torch's kernels already
-    # run in the graph), off in fp32 (the graph stays ORT-native; true turns spin-waiting off).
-    aten_gelu: bool | None = None
-
-    # Cross-entropy run by torch's kernels inside ORT's graphs (an ATen node; accel/graph/aten_cross_entropy.py), not
-    # ORT's SoftmaxCrossEntropyLoss, which took 237 ms forward + 53 ms gradient on GPT-2's (1024 x 50,257) logits
-    # against ~95 ms for torch's on a 2-core Zen 5. null: on with trainer.precision=bf16-mixed (torch's kernels
-    # already run in the graph), off in fp32 (the graph stays ORT-native; true turns spin-waiting off).
-    aten_cross_entropy: bool | None = None
-
-    def layer_norm_by_torch(self, precision: str) -> bool:
-        return self.aten_layer_norm if self.aten_layer_norm is not None else precision == BF16
-
-    def gelu_by_torch(self, precision: str) -> bool:
-        return self.aten_gelu if self.aten_gelu is not None else precision == BF16
-
-    def cross_entropy_by_torch(self, precision: str) -> bool:
-        return self.aten_cross_entropy if self.aten_cross_entropy is not None else precision == BF16
-
-    def rewrites(self) -> Rewrites:
-        return Rewrites(
-            gathers=self.rewrite_gathers,
-            relu=self.rewrite_relu,
-            embedding_max_vocab=self.rewrite_embedding_max_vocab,
-            dropout_masks=self.rewrite_dropout,
-        )
 
 
 def problems(cfg: DictConfig) -> list[str]:
-    found = debug_problems(cfg, NAME)
+    found = debug_problems(cfg, NAME) + graph_plan.problems(cfg.accel, cfg.trainer.precision)
     if cfg.optim.name == OptimName.sgd and (cfg.optim.momentum or cfg.optim.weight_decay):
         found.append(
             "optim.momentum/optim.weight_decay: ORT's SGD graph (accel=artifacts) has neither; set both to 0 "
@@ -161,7 +107,9 @@ def _cannot_train(what: str, by: str = "ORT's training API", model: nn.Module | 
     module of `model` that produced it, and what works instead (accel/failures.py)."""
     try:
         yield
-    except (RuntimeError, ValueError, AssertionError, onnx.checker.ValidationError, OSError) as err:
+    except (RuntimeError, ValueError, AssertionError, onnx.checker.ValidationError, OSError, NoPortablePath) as err:
+        if (refused := failures.no_portable_path(err, NAME, model)) is not None:
+            raise refused from None
         if (failure := as_write_failure(err, "the run dir's onnx/ folder")) is not None:
             raise failure from err  # the model is fine: the disk is full
         if isinstance(err, OSError):
@@ -173,7 +121,6 @@ INSTEAD = "accel=ortmodule may train it (it runs some ops through torch); accel=
 
 
 def build(ctx: EngineContext, **settings: Any) -> "ArtifactsEngine":
-    batchnorm.refuse_unsupported(ctx.model, NAME)
     return ArtifactsEngine(ctx, Settings(**settings))
 
 
@@ -245,78 +192,97 @@ class ArtifactsEngine:
         """ctx.model's current weights become the initial weights; ctx.example's shape is the one ORT trains on."""
         versions.prepare()
         import onnxruntime
-        from onnxruntime.training import artifacts
 
         onnxruntime.set_default_logger_severity(3)  # ORT's graph-transformer chatter is INFO; keep errors only
-
-        model, optim, grad_clip, onnx_dir = ctx.model, ctx.optim, ctx.grad_clip, ctx.onnx_dir
+        self.plan = graph_plan.GraphPlan.compute(accel, ctx.precision, NAME)
+        model = self.model = ctx.model
+        batchnorm.refuse_unsupported(model, NAME, self.plan)
         self.loss, self.layout = ctx.loss, ctx.layout
-        example_inputs = self.layout.flatten(ctx.example[0])
-        example_targets = ctx.example[1]
-        self.model = model
         self.batch_size = ctx.batch_size
-        onnx_dir.mkdir(parents=True, exist_ok=True)
-        forward_path = onnx_dir / "forward.onnx"
+        self.accumulate = ctx.accumulate
+        self.onnx_dir = ctx.onnx_dir
+        self.onnx_dir.mkdir(parents=True, exist_ok=True)
         model.train()
-        if functions := custom_functions(model, self.layout, example_inputs):
+        if functions := custom_functions(model, self.layout, self.layout.flatten(ctx.example[0])):
             raise OrtflowError(
                 f"accel=artifacts cannot train this model: it uses the custom torch.autograd.Function "
                 f"{', '.join(functions)}. The ONNX export keeps only its forward ops, so ORT would differentiate "
                 "those and silently ignore the Function's own backward. Use accel=ortmodule (it runs such Functions "
                 "through torch, backward included) or accel=none."
             )
+        example_inputs = self.layout.flatten(ctx.example[0])
         # BatchNorm running statistics: ORT writes each batch's statistics into its state's tensors, ortflow applies
-        # torch's update to the torch buffers after every training forward (accel/graph/batchnorm.py).
+        # torch's update to the torch buffers after every training forward (accel/graph/batchnorm.py); on the plan's
+        # ORT path ORT's kernel keeps them inside the graph, and the torch buffers follow ORT's state.
         self.norms = batchnorm.BatchNorms.find(model, lambda: self.layout.call(model, example_inputs), NAME)
+        self.statistics_by_ort = self.plan.path(batchnorm.NAME) is graph_plan.Path.ort
         self.batch_statistics = batchnorm.BatchStatistics.of(model)
-        self.accumulate = ctx.accumulate
         # With accumulation the exported loss is divided by the micro-batch count (ORT adds the gradients up).
-        # accel.aten_cross_entropy: the loss is exported too, and its SoftmaxCrossEntropyLoss becomes torch's.
-        by_torch = accel.cross_entropy_by_torch(ctx.precision)
+        # The loss by torch (accel.aten_cross_entropy): the loss is exported too, its SoftmaxCrossEntropyLoss torch's.
+        by_torch = self.plan.by_torch(aten_cross_entropy.NAME)
         self.loss_block = self.loss.ort_block() if self.accumulate == 1 and not by_torch else None
+        forward, work = self._export(ctx, accel.opset, example_inputs)
+        self.graph_fixes, self.masks = work.fixes, work.masks
+        self.aten_nodes = work.torch_nodes  # torch's kernels inside ORT (accel/graph/aten_nodes.py)
+        if self.aten_nodes:
+            ort.load_aten_executor()
+        pipeline.register_gradients(work)
+        self.sampler = MaskSampler(self.masks)
+        self.eval_masks = [np.ones(m.shape, m.dtype) for m in self.masks]  # evaluation keeps every unit
+        self._generate(forward, ctx.optim, ctx.grad_clip)
+        self.options = onnxruntime.SessionOptions()
+        self.options.log_severity_level = 3  # errors only: ORT logs every graph transformer it applies at INFO
+        # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.
+        self.intra_op_threads = accel.intra_op_threads
+        self.allow_spinning = accel.allow_spinning and not self.aten_nodes
+        ort.apply_session_settings(self.options, self.intra_op_threads, self.allow_spinning)
+        with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs", model=model):
+            self._open(self.onnx_dir / "checkpoint", ctx.optim.lr)
+        params = dict(model.named_parameters())
+        self.trainable = [_PREFIX + n for n, p in params.items() if p.requires_grad]
+        self.last_grad_norm: float | None = None
+        self.steps = 0
+        self.evals = 0
+        log.info("artifacts in %s; ORT trains %d parameter tensors", self.onnx_dir, len(params))
+
+    def _export(
+        self, ctx: EngineContext, opset: int, example_inputs: tuple[torch.Tensor, ...]
+    ) -> tuple[onnx.ModelProto, graph_plan.GraphWork]:
+        """The model (with its loss, or in the layout ORT's loss block takes) exported in training mode under the
+        plan, and the graph pipeline's rewrites on it: the forward graph ORT builds the training graph from."""
+        model, example_targets = self.model, ctx.example[1]
         names = [f"input_{i}" for i in range(len(example_inputs))] if len(example_inputs) > 1 else ["input"]
         if self.loss_block is not None:  # ORT's own loss block on the exported output
-            exported, args, outputs = (
-                OutputForLoss(model, self.loss, self.layout, example_targets),
-                example_inputs,
-                ["output"],
-            )
+            exported: nn.Module = OutputForLoss(model, self.loss, self.layout, example_targets)
+            args, outputs = example_inputs, ["output"]
         else:  # the loss is exported with the model
-            scaled = OutputAndLoss(model, self.loss, self.layout, 1.0 / self.accumulate)
-            exported, args = scaled, (*example_inputs, example_targets)
+            exported = OutputAndLoss(model, self.loss, self.layout, 1.0 / self.accumulate)
+            args = (*example_inputs, example_targets)
             names, outputs = [*names, "targets"], ["loss", "output"]
+        forward_path = self.onnx_dir / "forward.onnx"
         with (
             export_warnings.expected(),
             _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export", model),
             training_forward_probe(model),  # the export traces one training forward: its BatchNorm update is undone
-            symbolics.ort_export(
-                accel.opset, accel.aten_conv, accel.layer_norm_by_torch(ctx.precision), ctx.precision == BF16
-            ),
+            pipeline.exporting(self.plan, opset),
         ):
-            torch_onnx.export_training_onnx(exported, args, forward_path, accel.opset, names, outputs)
+            torch_onnx.export_training_onnx(exported, args, forward_path, opset, names, outputs)
         forward = onnx.load(str(forward_path))
-        if accel.gelu_by_torch(ctx.precision):  # GELU's gradient by torch, not ORT's FastGeluGrad
-            aten_gelu.tanh_gelus_to_aten(forward)
-        if by_torch:  # the loss by torch, not ORT's SoftmaxCrossEntropyLoss (in bf16 fused with the LM head)
-            aten_cross_entropy.losses_to_aten(forward, ctx.precision == BF16)
-        # Convolutions (accel.aten_conv, transposed ones always), LayerNorms (accel.aten_layer_norm), upsampling
-        # (always: ORT has no CPU ResizeGrad) and, in bf16, matrix multiplies as ATen nodes: torch runs them inside
-        # ORT (accel/graph/aten_nodes.py).
-        torch_nodes = aten_nodes.count_all(forward)
-        self.aten_nodes = sum(torch_nodes.values())
-        if self.aten_nodes:
-            ort.load_aten_executor()
-            aten_nodes.register_gradients()
-            trainable = {_PREFIX + n for n, p in model.named_parameters() if p.requires_grad}
-            frozen = {_PREFIX + n for n, p in model.named_parameters() if not p.requires_grad}
-            aten_nodes.set_gradient_masks(forward, trainable, frozen)
-        example_feeds = {name: t.numpy() for name, t in zip(names, args, strict=True)}
-        self.graph_fixes, self.masks = prepare_training_graph(forward, accel.rewrites(), example_feeds)
-        self.graph_fixes.update(aten_nodes.graph_fixes(torch_nodes))
-        if self.graph_fixes.get("ops_given_ort_gradients"):
-            onnx_gradients.register_gradients()  # ORT's gradients of the ops it has no builder for
-        self.sampler = MaskSampler(self.masks)
-        self.eval_masks = [np.ones(m.shape, m.dtype) for m in self.masks]  # evaluation keeps every unit
+        work = graph_plan.GraphWork(
+            trainable={_PREFIX + n for n, p in model.named_parameters() if p.requires_grad},
+            frozen={_PREFIX + n for n, p in model.named_parameters() if not p.requires_grad},
+            feeds={name: t.numpy() for name, t in zip(names, args, strict=True)},
+            masks_as_inputs=True,
+        )
+        with _cannot_train("prepare its graphs", model=model):
+            pipeline.prepare(forward, self.plan, work)
+        return forward, work
+
+    def _generate(self, forward: onnx.ModelProto, optim: OptimConfig, grad_clip: float | None) -> None:
+        """ORT's training, eval and optimizer models and checkpoint from the prepared forward graph, into onnx_dir."""
+        from onnxruntime.training import artifacts
+
+        model, onnx_dir = self.model, self.onnx_dir
         params = dict(model.named_parameters())
         # The running statistics become (frozen) checkpoint-state tensors: ORT's eval graph reads them from there.
         self.running = [(_PREFIX + s.name + ".running_mean", _PREFIX + s.name + ".running_var") for s in self.sites]
@@ -344,25 +310,13 @@ class ArtifactsEngine:
             aten_nodes.type_gradient_outputs(training_model)
         _returns_loss_only(training_model, "output")
         onnx.save(training_model, str(training_path))
+        eval_path = onnx_dir / "eval_model.onnx"
+        eval_model = onnx.load(str(eval_path))
         if any(node.op_type == "BatchNormalization" for node in forward.graph.node):
-            eval_path = onnx_dir / "eval_model.onnx"
-            eval_model = onnx.load(str(eval_path))
             self.graph_fixes["eval_batchnorm_outputs"] = batchnorm.inference_batch_norms(eval_model)
             onnx.save(eval_model, str(eval_path))
-        self.onnx_dir = onnx_dir
-        self.options = onnxruntime.SessionOptions()
-        self.options.log_severity_level = 3  # errors only: ORT logs every graph transformer it applies at INFO
-        # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.
-        self.intra_op_threads = accel.intra_op_threads
-        self.allow_spinning = accel.allow_spinning and not self.aten_nodes
-        ort.apply_session_settings(self.options, self.intra_op_threads, self.allow_spinning)
-        with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs", model=model):
-            self._open(onnx_dir / "checkpoint", optim.lr)
-        self.trainable = [_PREFIX + n for n, p in params.items() if p.requires_grad]
-        self.last_grad_norm: float | None = None
-        self.steps = 0
-        self.evals = 0
-        log.info("artifacts in %s; ORT trains %d parameter tensors", onnx_dir, len(params))
+        optimizer_model = onnx.load(str(onnx_dir / "optimizer_model.onnx"))
+        self.graphs_portable = pipeline.portable(training_model, eval_model, optimizer_model)
 
     def _open(self, checkpoint: Path, lr: float) -> None:
         """Training session, eval session and optimizer over the ORT checkpoint file `checkpoint`."""
@@ -408,6 +362,13 @@ class ArtifactsEngine:
         self._serve_frozen_weights()
         if self.norms is None:
             return _loss(self.module(*feeds))
+        if self.statistics_by_ort:  # ORT's kernel updated them in its state: the torch buffers follow
+            loss = _loss(self.module(*feeds))
+            for site, (mean, var) in zip(self.sites, self.running, strict=True):
+                site.module.running_mean.copy_(torch.from_numpy(np.array(self.state.parameters[mean].data)))
+                site.module.running_var.copy_(torch.from_numpy(np.array(self.state.parameters[var].data)))
+            self.norms.counted()
+            return loss
         kept = self.norms.keep()
         for site, (_, var) in zip(self.sites, self.running, strict=True):
             self.state.parameters[var].data = np.full(site.module.running_var.shape, batchnorm.UNWRITTEN, np.float32)
@@ -549,5 +510,6 @@ class ArtifactsEngine:
             "ort_train_steps": self.steps,
             "ort_eval_batches": self.evals,
             "graph_fixes": self.graph_fixes,
+            "graph_plan": self.plan.record(self.graphs_portable),
             **(self.norms.describe() if self.norms is not None else {}),
         }

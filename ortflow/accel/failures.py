@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ortflow.errors import OrtflowError, is_allocation_failure, root_reason
+from ortflow.accel.graph.plan import GraphPlan, NoPortablePath, refusal_in
+from ortflow.errors import ModelError, OrtflowError, is_allocation_failure, root_reason
 
 # ORT's and torch's messages that name the failing op and node (op, node)
 _PATTERNS = (
@@ -42,11 +43,11 @@ def op_and_node(text: str) -> tuple[str | None, str | None]:
 
 def module_path(node: str, model: nn.Module | None) -> str | None:
     """The user's module (dotted path and class) an exported node belongs to, from the exporter's scope names
-    (each either a child's name or its path from the exported root: `/model/model.1/CumSum`)."""
+    (each either a child's name or its path from the exported root: `/model/model.1/CumSum`, `/model/up/up.0/`):
+    the deepest module of the user's model the scopes name."""
     path = ""
-    for segment in node.strip("/").split("/")[:-1]:
-        if not segment or segment.endswith("_Grad"):
-            continue
+    segments = [s for s in node.strip("/").split("/")[:-1] if s and not s.endswith("_Grad")]
+    for segment in segments:
         path = segment if not path or segment.startswith(path + ".") else f"{path}.{segment}"
     for wrapper in _WRAPPERS:  # the engines' wrappers, outermost first, each at most once
         if path == wrapper:
@@ -56,6 +57,10 @@ def module_path(node: str, model: nn.Module | None) -> str | None:
     modules = dict(model.named_modules()) if model is not None else {}
     while path and modules and path not in modules:  # the deepest module of the user's model on that path
         path = path.rsplit(".", 1)[0] if "." in path else ""
+    # a segment that is itself a module's whole path (a child of a Sequential: `up.0`) may name a deeper one
+    named = [s for s in segments if s in modules and s not in _WRAPPERS]
+    if named and len(named[-1]) > len(path):
+        path = named[-1]
     if not path:
         return None
     return f"{path} ({type(modules[path]).__name__})" if path in modules else path
@@ -71,6 +76,26 @@ def module_of_operator(op: str, model: nn.Module | None) -> str | None:
         if name and type(module).__name__.lower() == wanted:
             return f"{name} ({type(module).__name__})"
     return None
+
+
+def no_portable_path(
+    err: BaseException, engine: str, model: nn.Module | None, plan: GraphPlan | None = None
+) -> ModelError | None:
+    """The user's error for an op the portable target has no path for: in `err`'s chain, or recorded in the plan
+    where the graph work met it (ORTModule turns what an export raises into an exception of its own); None if it
+    is not that."""
+    found = refusal_in(err)
+    if found is None and plan is not None and plan.refusals:
+        found = plan.refusals[-1]
+    if found is None:
+        return None
+    where = module_path(found.scope + "op", model) if found.scope else None
+    module = f"module {where}" if where else "a module of the model"
+    return ModelError(
+        f"accel={engine} accel.target=portable cannot train the model's {module}: it has {found.what}, and {found.why}"
+        ". The portable target runs only ONNX Runtime's own operators, the graphs a device trains. Use "
+        "accel.target=fast (ortflow runs it with torch's kernels inside ORT), or a model without it."
+    )
 
 
 def _all_text(err: BaseException) -> str:
@@ -125,7 +150,9 @@ def explained(engine: str, stage: str, model: nn.Module | None, instead: str) ->
         yield
     except OrtflowError:
         raise
-    except (RuntimeError, ValueError, AssertionError, TypeError, NotImplementedError) as err:
+    except (RuntimeError, ValueError, AssertionError, TypeError, NotImplementedError, NoPortablePath) as err:
+        if (refused := no_portable_path(err, engine, model)) is not None:
+            raise refused from None
         if is_allocation_failure(err):
             raise
         raise OrtflowError(paragraph(err, engine, stage, model, instead)) from err

@@ -25,9 +25,10 @@ from ortflow.accel import failures
 from ortflow.accel.compat import ortmodule_patches
 from ortflow.accel.compat.extensions import ensure_built
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
-from ortflow.accel.graph import batchnorm, bf16_weights, fed_dropout, ortmodule_export
-from ortflow.accel.graph.ortmodule_export import ExportSettings
-from ortflow.accel.graph.rewrites import DropoutMask, MaskSampler, Rewrites, draw_masks
+from ortflow.accel.graph import batchnorm, bf16_weights, fed_dropout, ortmodule_export, pipeline
+from ortflow.accel.graph import plan as graph_plan
+from ortflow.accel.graph.plan import GraphSettings
+from ortflow.accel.graph.rewrites import DropoutMask, MaskSampler, draw_masks
 from ortflow.accel.none import EagerEngine
 from ortflow.config import BF16, DebugConfig
 from ortflow.distributed import MULTI_PROCESS
@@ -50,8 +51,9 @@ class Fallback(Enum):
 
 
 @dataclass
-class Settings:
-    """conf/accel/ortmodule.yaml."""
+class Settings(GraphSettings):
+    """conf/accel/ortmodule.yaml: ORTModule's own settings; the graph settings (target, rewrite_*, aten_*) are the
+    graph plan's, shared with the artifacts engine (ortflow/accel/graph/plan.py: GraphSettings)."""
 
     _target_: str = "ortflow.accel.ortmodule.build"
     fallback: Fallback = Fallback.fail
@@ -62,55 +64,11 @@ class Settings:
     # Idle ORT threads busy-wait for work by default. Under ORTModule, torch runs the optimizer and the glue between
     # ORT's runs on the same cores, and spinning ORT threads slow it down: off measured 15% faster per step.
     allow_spinning: bool = False
-    # Rewrite constant-index Gathers (MultiheadAttention's q/k/v split) as Slice before ORT builds the gradient:
-    # ORT's CPU GatherGrad was a third of the transformer's step. Off only to compare or to rule it out.
-    rewrite_gathers: bool = True
-    # Relu -> x * (x > 0): ORT's CPU ReluGrad runs on one thread; the Mul it becomes runs in parallel.
-    rewrite_relu: bool = True
-    # Dropout (torch.nn.functional.dropout, what nn.Dropout calls, and scaled_dot_product_attention's dropout_p) ->
-    # x * mask, the masks extra inputs of the module ORTModule runs, drawn each step by a fast generator seeded from
-    # torch's per-step seed: ORT's CPU Dropout is slow.
-    rewrite_dropout: bool = True
-    # Convolutions run by torch's kernels inside ORT's graphs (ATen nodes; accel/graph/aten_conv.py), not ORT's own CPU
-    # Conv/ConvGrad: a VGG-style CNN trained ~1.2x faster in both ORT engines (docs/performance.md). Transposed
-    # convolutions always are (ORT's CPU build cannot differentiate ConvTranspose). Spin-waiting is then off whatever
-    # allow_spinning says: spinning ORT threads would compete with torch's.
-    aten_conv: bool = True
-    # LayerNorm run by torch's kernels inside ORT's graphs (ATen nodes; accel/graph/aten_layer_norm.py). null: on with
-    # trainer.precision=bf16-mixed (torch's kernels already run in the graph and ORT's single-threaded
-    # LayerNormalizationGrad is then the largest cost left), off in fp32, where it was slower at d_model 128 (-10 to
-    # -15%), no faster at 512, and turns spin-waiting off; on, it lowers artifacts' peak memory (-410 MB at d_model
-    # 512).
-    aten_layer_norm: bool | None = None
-
-    # GELU's tanh approximation (GPT-2's gelu_new) run by torch's kernels inside ORT's graphs (an ATen node;
-    # accel/graph/aten_gelu.py), not ORT's FastGelu/FastGeluGrad, whose gradient took 105 ms per (1024 x 3072) call
-    # against torch's 4-10 ms on a 2-core Zen 5. null: on with trainer.precision=bf16-mixed (torch's kernels already
-    # run in the graph), off in fp32 (the graph stays ORT-native; true turns spin-waiting off).
-    aten_gelu: bool | None = None
-
-    # Cross-entropy run by torch's kernels inside ORT's graphs (an ATen node; accel/graph/aten_cross_entropy.py), not
-    # ORT's SoftmaxCrossEntropyLoss, which took 237 ms forward + 53 ms gradient on GPT-2's (1024 x 50,257) logits
-    # against ~95 ms for torch's on a 2-core Zen 5. null: on with trainer.precision=bf16-mixed (torch's kernels
-    # already run in the graph), off in fp32 (the graph stays ORT-native; true turns spin-waiting off).
-    aten_cross_entropy: bool | None = None
-
-    def layer_norm_by_torch(self, precision: str) -> bool:
-        return self.aten_layer_norm if self.aten_layer_norm is not None else precision == BF16
-
-    def gelu_by_torch(self, precision: str) -> bool:
-        return self.aten_gelu if self.aten_gelu is not None else precision == BF16
-
-    def cross_entropy_by_torch(self, precision: str) -> bool:
-        return self.aten_cross_entropy if self.aten_cross_entropy is not None else precision == BF16
-
-    def rewrites(self) -> Rewrites:
-        return Rewrites(gathers=self.rewrite_gathers, relu=self.rewrite_relu)
 
 
 def problems(cfg: DictConfig) -> list[str]:
-    """Wrapper order (ORTModule innermost, no DataParallel) and opset range."""
-    found = []
+    """Wrapper order (ORTModule innermost, no DataParallel), opset range, the graph plan's settings."""
+    found = graph_plan.problems(cfg.accel, cfg.trainer.precision)
     wrappers = list(cfg.distributed.wrappers)
     if "dp" in wrappers:
         found.append(
@@ -146,7 +104,6 @@ def debug_options(debug: DebugConfig, onnx_dir: Path):
 
 
 def build(ctx: EngineContext, **settings: Any) -> "ORTModuleEngine":
-    batchnorm.refuse_unsupported(ctx.model, NAME)
     return ORTModuleEngine(ctx, Settings(**settings))
 
 
@@ -157,19 +114,13 @@ class ORTModuleEngine:
     name = NAME
 
     def __init__(self, ctx: EngineContext, settings: Settings) -> None:
+        self.plan = graph_plan.GraphPlan.compute(settings, ctx.precision, NAME)
+        batchnorm.refuse_unsupported(ctx.model, NAME, self.plan)
         ensure_built()
         self.fallback = settings.fallback
-        graph = ExportSettings(
-            settings.rewrites(),
-            aten_conv=settings.aten_conv,
-            aten_layer_norm=settings.layer_norm_by_torch(ctx.precision),
-            aten_gelu=settings.gelu_by_torch(ctx.precision),
-            aten_cross_entropy=settings.cross_entropy_by_torch(ctx.precision),
-            bf16=ctx.precision == BF16,
-        )
         # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.
-        spinning = settings.allow_spinning and not graph.torch_kernels
-        self.session = ortmodule_patches.SessionSettings(settings.intra_op_threads, spinning, graph)
+        spinning = settings.allow_spinning and not self.plan.torch_kernels
+        self.session = ortmodule_patches.SessionSettings(settings.intra_op_threads, spinning, self.plan)
         self.runs = ortmodule_patches.OrtRunCounter()  # this engine's own ORT runs: the proof that ORT executed
         self.graph_fixes: dict[str, int] = {}  # ortflow's fixes applied to the exported graphs
         ortmodule_patches.patch_ortmodule(ortmodule_export.HOOKS)
@@ -181,11 +132,12 @@ class ORTModuleEngine:
             with_loss: nn.Module = WithLoss(ctx.model, ctx.loss, ctx.layout)
             example = (*ctx.layout.flatten(ctx.example[0]), ctx.example[1])
             # BatchNorm running statistics: ORT writes each batch's statistics into the torch buffers, ortflow
-            # applies torch's update around every training forward (accel/graph/batchnorm.py).
+            # applies torch's update around every training forward (accel/graph/batchnorm.py); on ORT's path its
+            # kernel's own update stays there.
             self.norms = batchnorm.BatchNorms.find(ctx.model, lambda: with_loss(*example), NAME)
             self.batch_statistics = batchnorm.BatchStatistics.of(ctx.model)
             self.masks: list[DropoutMask] = []
-            if settings.rewrite_dropout:
+            if self.plan.path("dropout") is graph_plan.Path.fed:
                 with_loss, self.masks = fed_dropout.wrap(with_loss, example)
             self.module = ORTModule(with_loss, debug_options(ctx.debug, ctx.onnx_dir))
         if self.masks:
@@ -198,7 +150,10 @@ class ORTModuleEngine:
         flat = Layout(ctx.layout.count + len(self.masks))
         trained: nn.Module = self.module
         if self.norms is not None:
-            trained = batchnorm.UpdatedAfterForward(self.module, self.norms, lambda: self.runs.forward)
+            kept_by = batchnorm.UpdatedAfterForward
+            if self.plan.path(batchnorm.NAME) is graph_plan.Path.ort:
+                kept_by = batchnorm.CountedAfterForward
+            trained = kept_by(self.module, self.norms, lambda: self.runs.forward)
         self.inner = EagerEngine(
             ctx.wrap(trained), ctx.model, ctx.loss, flat, ctx.optim, ctx.grad_clip, ctx.reduce_loss
         )
@@ -231,7 +186,10 @@ class ORTModuleEngine:
             ValueError,
             AssertionError,
             TypeError,
+            graph_plan.NoPortablePath,
         ) as err:
+            if (refused := failures.no_portable_path(err, NAME, self.user_model, self.plan)) is not None:
+                raise refused from None
             if isinstance(err, OrtflowError) or is_allocation_failure(err):
                 raise
             stage = f"export, build and run its first {mode} step" if first else f"run a {mode} step"
@@ -311,6 +269,11 @@ class ORTModuleEngine:
     def load_optimizer_state(self, state: dict[str, Any]) -> bool:
         return self.inner.load_optimizer_state(state)
 
+    def _graph_portable(self) -> bool | None:
+        """Whether ORTModule's training graph holds only operators ORT runs without torch (None before it is built)."""
+        graph = ortmodule_patches.training_graph(self.module)
+        return None if graph is None else pipeline.portable(graph)
+
     def describe(self) -> dict[str, Any]:
         executed = "onnxruntime" if self.torch_steps == 0 and self.ort_steps > 0 else "pytorch"
         if self.ort_steps and self.torch_steps:
@@ -323,5 +286,6 @@ class ORTModuleEngine:
             "ort_eval_batches": self.ort_evals,
             "torch_fallback_eval_batches": self.torch_evals,
             "graph_fixes": dict(self.graph_fixes),
+            "graph_plan": self.plan.record(self._graph_portable()),
             **(self.norms.describe() if self.norms is not None else {}),
         }

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ortflow.accel.compat import export_warnings
-from ortflow.accel.graph import symbolics
+from ortflow.accel.graph import pipeline
 from ortflow.data import Data
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.step.batch import Layout, layout_of, split_batch
@@ -57,7 +57,7 @@ def inference_onnx(
     path = run_dir / FILE
     wrapped = InferenceModel(model, layout).eval()  # torch.onnx.export restores the mode it found: keep eval
     try:
-        with export_warnings.expected(), symbolics.torch_only_export(opset):
+        with export_warnings.expected(), pipeline.inference_export(opset):
             torch.onnx.export(
                 wrapped,
                 tensors,

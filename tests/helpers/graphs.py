@@ -126,6 +126,23 @@ def engine_graphs(recipe: str, mode: str, precision: str, *overrides: str) -> di
         return {"training": graph}
 
 
+def recipe_losses(recipe: str, mode: str, *overrides: str | None, steps: int = 4):
+    """`steps` training losses of the shrunk `recipe` in `mode` from the recipe's seed (the same initial weights and
+    batches in every mode), and the engine (None-valued overrides are left out)."""
+    cfg = compose_config([f"+recipe={recipe}", *SMALL[recipe], f"accel={mode}", *(o for o in overrides if o)])
+    seed_everything(cfg.seed)
+    data = build_data(cfg)
+    model = build_model(cfg, data)
+    batches = iter(data.train)
+    tmp = tempfile.mkdtemp(prefix="ortflow-graphs-")
+    engine = accel.build(cfg.accel, engine_context(cfg, model, data, Path(tmp)))
+    losses = []
+    for step in range(1, steps + 1):
+        seed_step(cfg.seed, step)
+        losses.append(engine.train_step(*split_batch(next(batches))))
+    return losses, engine
+
+
 CASES = [
     (recipe, mode, precision)
     for recipe in ("transformer", "vision", "digits")

@@ -50,7 +50,8 @@ class ExportHooks:
     not ortflow's graphs). Each hook gets the running engine's `SessionSettings.graph` (None outside an engine)."""
 
     install: Callable[[], None]  # once, before any ORTModule is built (gradient registrations, shape handlers)
-    exporting: Callable[[Any, int], contextlib.AbstractContextManager]  # around torch's export at an opset
+    # around torch's export of a module at an opset
+    exporting: Callable[[Any, int, torch.nn.Module], contextlib.AbstractContextManager]
     # the exported graph, its trainable and its frozen parameters, the engine's graph settings
     fix: Callable[[onnx.ModelProto, set[str], set[str], Any], dict[str, int]]
     infer_shapes: Callable[[onnx.ModelProto], onnx.ModelProto]  # ORTModule's shape inference, replaced
@@ -126,7 +127,7 @@ def patch_ortmodule(hooks: ExportHooks) -> None:
         with (
             export_warnings.expected(),
             torch_patches.exporting(),
-            hooks.exporting(graph, kwargs["onnx_opset_version"]),
+            hooks.exporting(graph, kwargs["onnx_opset_version"], kwargs["flattened_module"]),
         ):
             exported_model, output_schema = get_exported(*args, **kwargs)
         # The parameters ORTModule builds the gradient of (`_gradients_for_trainable_parameters_only`).

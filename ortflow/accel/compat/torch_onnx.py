@@ -49,3 +49,23 @@ def torch_symbolic(module: str, name: str):
         if found is not None:
             return found
     raise AttributeError(f"torch has no ONNX symbolic {module}.{name}")
+
+
+def default_symbolic(name: str, opset: int):
+    """The symbolic torch's TorchScript exporter itself registers for `aten::name` at `opset` (the newest of its own
+    at or below it), whatever custom symbolic is registered over it; None if it has none. Read from its registry
+    (registration.registry: its base functions, not the custom overrides), under torch.onnx._internal before torch
+    2.9 and under its torchscript_exporter package since."""
+    for module in ("torch.onnx._internal.torchscript_exporter.registration", "torch.onnx._internal.registration"):
+        try:
+            registration = importlib.import_module(module)
+            break
+        except ImportError:
+            continue
+    else:
+        raise ImportError("torch's TorchScript exporter registry was not found")
+    group = registration.registry.get_function_group(f"aten::{name}")
+    if group is None:
+        return None
+    own = {version: fn for version, fn in group._functions._base.items() if version <= opset}
+    return own[max(own)] if own else None

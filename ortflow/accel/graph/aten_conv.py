@@ -6,7 +6,8 @@ no ConvTransposeGrad at all ("Could not find an implementation for ConvTranspose
 torch: an `org.pytorch.aten::ATen` node runs a torch operator through the ATen executor extension (built with
 ORTModule's other extensions, accel/compat/extensions.py).
 
-How (symbolics.py puts it in place only while an ORT engine exports):
+How (its declaration at the end: the plan's `convolution` op, `accel.aten_conv`; symbolics.py puts it in place only
+while an ORT engine exports):
 - forward: the exporter's `aten::_convolution` (every nn.Conv*d, F.conv*d and transposed convolution) becomes one
   ATen node running `ortflow::convolution` (aten::convolution, plus which gradients it needs); the same for
   `aten::_convolution_mode` (padding="same"/"valid") where that padding is symmetric;
@@ -23,7 +24,9 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel.graph import aten_nodes
+from ortflow.accel.graph import aten_nodes, aten_shapes, symbolics
+from ortflow.accel.graph import plan as graph_plan
+from ortflow.config import BF16
 
 OPERATOR = "ortflow::convolution"  # the forward node's operator
 BACKWARD = "ortflow::convolution_backward"
@@ -123,6 +126,7 @@ aten_nodes.register(
         mask_input=9,
         gradient=gradient,
         fix_name="convolutions_run_by_torch",
+        shape=aten_shapes.convolution_shape,
     )
 )
 aten_nodes.register(
@@ -133,6 +137,7 @@ aten_nodes.register(
         mask_input=9,
         gradient=aten_nodes.one_node_gradient(BACKWARD_BF16, _GRADIENT_INPUTS),
         fix_name="convolutions_run_by_torch_bf16",
+        shape=aten_shapes.convolution_shape,
     )
 )
 
@@ -165,9 +170,19 @@ def emit(
     return output
 
 
-def convolution_symbolic(all_convolutions: bool, native, bf16: bool = False) -> Any:
-    """The `aten::_convolution` symbolic: an ATen node for transposed convolutions always (ORT has no CPU gradient
-    for ConvTranspose) and for every convolution with `all_convolutions`; otherwise `native` (ORT's Conv)."""
+def _transposed_refused(g: Any) -> None:
+    raise graph_plan.NoPortablePath(
+        "a transposed convolution",
+        symbolics.scope(g),
+        "ONNX Runtime's CPU build has no gradient for ConvTranspose (ortflow runs it with torch's kernels, which a "
+        "device does not have)",
+    )
+
+
+def _convolution_symbolic(plan: graph_plan.GraphPlan, native) -> Any:
+    """The `aten::_convolution` symbolic: an ATen node for every convolution on the torch path, and for transposed
+    ones on the ORT path too where the target allows (ORT has no CPU gradient for ConvTranspose); else `native`."""
+    bf16 = plan.precision == BF16
 
     @symbolic_helper.parse_args("v", "v", "v", "is", "is", "is", "i", "is", "i", "i", "i", "i", "i")
     def symbolic(
@@ -187,19 +202,24 @@ def convolution_symbolic(all_convolutions: bool, native, bf16: bool = False) -> 
         allow_tf32=None,
     ):
         args = (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-        if not (all_convolutions or transposed):
+        if transposed and plan.portable:
+            _transposed_refused(g)
+        if not (plan.by_torch(NAME) or transposed):
             return native(g, *args, benchmark, deterministic, cudnn_enabled, allow_tf32)
         return emit(g, *args, bf16=bf16)
 
     return symbolic
 
 
-def convolution_mode_symbolic(native, bf16: bool = False) -> Any:
-    """The `aten::_convolution_mode` symbolic (padding="valid" or "same", stride 1): an ATen node with the padding
-    written out where it is the same on both sides of every dimension; otherwise `native`."""
+def _convolution_mode_symbolic(plan: graph_plan.GraphPlan, native) -> Any:
+    """The `aten::_convolution_mode` symbolic (padding="valid" or "same", stride 1) on the torch path: an ATen node
+    with the padding written out where it is the same on both sides of every dimension; otherwise `native`."""
+    bf16 = plan.precision == BF16
 
     @symbolic_helper.parse_args("v", "v", "v", "is", "s", "is", "i")
     def symbolic(g, input, weight, bias, stride, padding, dilation, groups):
+        if not plan.by_torch(NAME):
+            return native(g, input, weight, bias, stride, padding, dilation, groups)
         sizes = symbolic_helper._get_tensor_sizes(weight)
         kernel = sizes[2:] if sizes else None
         if kernel is None or any(k is None for k in kernel) or padding not in ("valid", "same"):
@@ -213,3 +233,17 @@ def convolution_mode_symbolic(native, bf16: bool = False) -> Any:
         return emit(g, input, weight, bias, stride, pads, dilation, False, [0] * len(kernel), groups, bf16=bf16)
 
     return symbolic
+
+
+NAME = "convolution"
+OP = graph_plan.declare(
+    graph_plan.GraphOp(
+        NAME,
+        replaces="Conv and ConvTranspose (aten::_convolution, aten::_convolution_mode: nn.Conv*d, F.conv*d)",
+        module=__name__,
+        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
+        choose=lambda settings, precision, engine: graph_plan.Path.torch if settings.aten_conv else graph_plan.Path.ort,
+        setting="aten_conv",
+        symbolics={"::_convolution": _convolution_symbolic, "::_convolution_mode": _convolution_mode_symbolic},
+    )
+)

@@ -4,7 +4,8 @@ Why: ORT's CPU SoftmaxCrossEntropyLoss is a slow kernel at a language model's vo
 logits, 237 ms a step forward and 53 ms for its gradient (`ortflow-bench --profile`, 2-core Zen 5), against about
 45 + 50 ms for torch's log_softmax and its backward; in bf16-mixed LoRA fine-tuning that was a quarter of the ORT
 engines' step. It also keeps the whole (N, C) log-probabilities for its gradient (206 MB there), where torch's
-gradient needs only the logits the graph holds anyway.
+gradient needs only the logits the graph holds anyway. Its declaration (at the end): the plan's `cross_entropy` op,
+`accel.aten_cross_entropy`.
 
 How: `softmax_cross_entropies_to_aten` replaces each exported `SoftmaxCrossEntropyLoss` (the export of
 `F.cross_entropy`; no class weights, reduction mean or sum) with one ATen node running `ortflow::cross_entropy`
@@ -19,7 +20,9 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from ortflow.accel.graph import aten_gemm, aten_nodes, onnx_values
+from ortflow.accel.graph import aten_gemm, aten_nodes, aten_shapes, onnx_values
+from ortflow.accel.graph import plan as graph_plan
+from ortflow.config import BF16
 
 OPERATOR = "ortflow::cross_entropy"
 BACKWARD = "ortflow::cross_entropy_backward"
@@ -139,6 +142,7 @@ aten_nodes.register(
         mask_input=None,
         gradient=_gradient,
         fix_name="cross_entropies_run_by_torch",
+        shape=aten_shapes.scalar_shape,
     )
 )
 
@@ -154,6 +158,7 @@ aten_nodes.register(
         ),
         fix_name="lm_head_losses_fused_bf16",
         frozen_input=1,
+        shape=aten_shapes.linear_loss_shape,
     )
 )
 
@@ -289,3 +294,27 @@ def stop_returning_logits(model: onnx.ModelProto) -> int:
     for flag in flags:
         flag.attribute[0].t.CopyFrom(numpy_helper.from_array(np.array(False)))
     return len(flags)
+
+
+def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    if plan.by_torch(NAME):  # its nodes are counted with the other ATen nodes (aten_nodes.graph_fixes)
+        losses_to_aten(model, plan.precision == BF16)
+
+
+NAME = "cross_entropy"
+OP = graph_plan.declare(
+    graph_plan.GraphOp(
+        NAME,
+        replaces="SoftmaxCrossEntropyLoss (F.cross_entropy); in bf16 fused with the LM head's GEMM",
+        module=__name__,
+        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
+        choose=lambda settings, precision, engine: (
+            graph_plan.Path.torch
+            if graph_plan.switch(settings, "aten_cross_entropy", precision)
+            else graph_plan.Path.ort
+        ),
+        setting="aten_cross_entropy",
+        rewrite=_rewrite,
+        order=81,
+    )
+)

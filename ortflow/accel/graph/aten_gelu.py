@@ -20,7 +20,8 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from ortflow.accel.graph import aten_nodes, onnx_values
+from ortflow.accel.graph import aten_nodes, aten_shapes, onnx_values
+from ortflow.accel.graph import plan as graph_plan
 
 OPERATOR = "ortflow::gelu_tanh"
 BACKWARD = "ortflow::gelu_tanh_backward"
@@ -49,7 +50,13 @@ def _gradient() -> list[tuple]:
 
 aten_nodes.register(
     aten_nodes.AtenOp(
-        OPERATOR, BACKWARD, differentiable=(0,), mask_input=None, gradient=_gradient, fix_name="gelus_run_by_torch"
+        OPERATOR,
+        BACKWARD,
+        differentiable=(0,),
+        mask_input=None,
+        gradient=_gradient,
+        fix_name="gelus_run_by_torch",
+        shape=aten_shapes.same_shape,
     )
 )
 
@@ -151,3 +158,25 @@ def tanh_gelus_to_aten(model: onnx.ModelProto) -> int:
         graph.value_info.append(helper.make_empty_tensor_value_info(out))
         graph.value_info[-1].type.tensor_type.elem_type = elem or onnx.TensorProto.FLOAT
     return len(replaced)
+
+
+def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    if plan.by_torch(NAME):  # its nodes are counted with the other ATen nodes (aten_nodes.graph_fixes)
+        tanh_gelus_to_aten(model)
+
+
+NAME = "gelu"
+OP = graph_plan.declare(
+    graph_plan.GraphOp(
+        NAME,
+        replaces="GELU's tanh approximation (ORT fuses its formula into FastGelu, whose gradient is FastGeluGrad)",
+        module=__name__,
+        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
+        choose=lambda settings, precision, engine: (
+            graph_plan.Path.torch if graph_plan.switch(settings, "aten_gelu", precision) else graph_plan.Path.ort
+        ),
+        setting="aten_gelu",
+        rewrite=_rewrite,
+        order=80,
+    )
+)

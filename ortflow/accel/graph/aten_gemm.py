@@ -8,7 +8,8 @@ What it computes is what torch's CPU autocast does for these operators: inputs a
 product accumulated by torch's bf16 kernel; ORT never sees a bf16 tensor (every node takes and returns fp32), so the
 weights, the optimizer and every other operator of the graph (softmax, normalisation, the loss) stay fp32, ORT's own.
 
-How (symbolics.py puts it in place only while an ORT engine exports with bf16):
+How (its declaration at the end: the plan's `gemm` op, on the torch path in bf16-mixed; symbolics.py puts it in place
+only while an ORT engine exports):
 - forward: the exporter's `aten::linear`, `aten::matmul`, `aten::addmm` and `aten::bmm` become one ATen node running
   `ortflow::gemm_bf16(a, b, bias, transpose_b, output_mask)`: a @ b (b transposed for linear) + bias;
 - gradient: one ATen node running `ortflow::gemm_bf16_backward`, the gradients of a and b as bf16 GEMMs (none for a
@@ -23,7 +24,9 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper
 
-from ortflow.accel.graph import aten_nodes, bf16_weights
+from ortflow.accel.graph import aten_nodes, aten_shapes, bf16_weights
+from ortflow.accel.graph import plan as graph_plan
+from ortflow.config import BF16
 
 OPERATOR = "ortflow::gemm_bf16"
 BACKWARD = "ortflow::gemm_bf16_backward"
@@ -108,6 +111,7 @@ aten_nodes.register(
         gradient=gradient,
         fix_name="matmuls_run_by_torch_bf16",
         frozen_input=1,  # b: a frozen weight's bf16 copy is kept from step to step
+        shape=aten_shapes.gemm_shape,
     )
 )
 
@@ -173,3 +177,26 @@ def addmm(native):
 
 def _float_any(value) -> bool:
     return value.type().scalarType() == "Float" if value.type().kind() == "TensorType" else False
+
+
+def _on_torch_path(bf16_symbolic):
+    """A symbolic factory: `bf16_symbolic(native)` where the plan runs GEMMs by torch, else `native`."""
+    return lambda plan, native: bf16_symbolic(native) if plan.by_torch(NAME) else native
+
+
+NAME = "gemm"
+OP = graph_plan.declare(
+    graph_plan.GraphOp(
+        NAME,
+        replaces="MatMul and Gemm in fp32 (aten::linear, aten::matmul, aten::bmm, aten::addmm) by bf16 GEMMs",
+        module=__name__,
+        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
+        choose=lambda settings, precision, engine: graph_plan.Path.torch if precision == BF16 else graph_plan.Path.ort,
+        symbolics={
+            "::linear": _on_torch_path(linear),
+            "::matmul": _on_torch_path(matmul),
+            "::bmm": _on_torch_path(matmul),
+            "::addmm": _on_torch_path(addmm),
+        },
+    )
+)

@@ -5,7 +5,8 @@ Why: ORT's CPU LayerNormalizationGrad is a slow kernel: at d_model 512 (4 layers
 convolutions (accel/graph/aten_conv.py), an `org.pytorch.aten::ATen` node hands the operator to torch through the ATen
 executor extension.
 
-How (symbolics.py puts it in place only while an ORT engine exports):
+How (its declaration at the end: the plan's `layer_norm` op, `accel.aten_layer_norm`; symbolics.py puts it in place
+only while an ORT engine exports):
 - forward: the exporter's `aten::layer_norm` (nn.LayerNorm, F.layer_norm) becomes one ATen node running
   `ortflow::layer_norm` (aten::native_layer_norm: the output, and the mean and 1/std per row it keeps for the
   gradient), with a mask of which of input, weight and bias need a gradient (aten_nodes.set_gradient_masks);
@@ -19,6 +20,7 @@ import torch
 from torch.onnx import symbolic_helper
 
 from ortflow.accel.graph import aten_nodes
+from ortflow.accel.graph import plan as graph_plan
 
 OPERATOR = "ortflow::layer_norm"
 BACKWARD = "ortflow::layer_norm_backward"
@@ -92,3 +94,25 @@ def emit(g: Any, input, normalized_shape, weight, bias, eps, cudnn_enable) -> An
         mean.setType(statistics)
         rstd.setType(statistics)
     return output
+
+
+def _layer_norm_symbolic(plan: graph_plan.GraphPlan, native) -> Any:
+    """The `aten::layer_norm` symbolic: ortflow's ATen node on the torch path, else `native` (ORTModule's at the
+    opsets it registered it for, torch's own at the others: ORT's emits LayerNormalization, an opset-17 op)."""
+    return emit if plan.by_torch(NAME) else native
+
+
+NAME = "layer_norm"
+OP = graph_plan.declare(
+    graph_plan.GraphOp(
+        NAME,
+        replaces="LayerNormalization (aten::layer_norm: nn.LayerNorm, F.layer_norm)",
+        module=__name__,
+        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
+        choose=lambda settings, precision, engine: (
+            graph_plan.Path.torch if graph_plan.switch(settings, "aten_layer_norm", precision) else graph_plan.Path.ort
+        ),
+        setting="aten_layer_norm",
+        symbolics={"::layer_norm": _layer_norm_symbolic},
+    )
+)

@@ -1,11 +1,12 @@
-"""The one registry of the `org.pytorch.aten::ATen` operators ortflow exports (operators torch runs inside ORT's
-graphs: convolutions, accel/graph/aten_conv.py; LayerNorm, accel/graph/aten_layer_norm.py; bf16 matrix multiplies,
-accel/graph/aten_gemm.py; GELU's tanh approximation in bf16, accel/graph/aten_gelu.py), and what ORT's graphs need
-around them.
+"""The one registry of the `org.pytorch.aten::ATen` operators ortflow exports: operators torch runs inside ORT's
+graphs, each declared by the module of its graph-plan op (accel/graph/plan.py) with its gradient and shape rule
+(`AtenOp`): convolutions (aten_conv.py), LayerNorm (aten_layer_norm.py), bf16 matrix multiplies (aten_gemm.py),
+GELU's tanh approximation (aten_gelu.py), the cross-entropy loss and its fusion with the LM head's GEMM
+(aten_cross_entropy.py) and upsampling (aten_upsample.py); and what ORT's graphs need around them.
 
-Each is behind a setting with an ORT-native path (accel.aten_conv, accel.aten_layer_norm, trainer.precision=fp32), so
-a torch-free export stays possible. A graph holding any of them runs only where torch and the ATen executor extension
-are loaded: the engines count them (`count_all`) to load the executor and turn ORT's spin-waiting off.
+The graph plan's portable target takes none of them: every op has an ORT-native path there, or is refused. A graph
+holding any of them runs only where torch and the ATen executor extension are loaded: the engines count them
+(`count_all`) to load the executor and turn ORT's spin-waiting off.
 
 Each such forward operator takes, as one of its inputs, a boolean mask of which of its tensor inputs need a gradient:
 its gradient node (which receives the forward node's inputs) then computes only those, since ORT leaves a gradient
@@ -15,6 +16,7 @@ nodes' outputs untyped, and its type inference cannot type a custom operator's o
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -37,6 +39,9 @@ class AtenOp:
     # gradients'): the operator may then reuse a copy of it from step to step (accel/graph/bf16_weights.py). None: no
     # such flag.
     frozen_input: int | None = None
+    # Its output shapes for ORT's symbolic shape inference (ORTModule), as `handler(inference, node)`
+    # (accel/graph/aten_shapes.py); None: ORT's own rule, or the node never reaches that inference.
+    shape: Callable[[Any, Any], None] | None = None
 
 
 OPS: dict[str, AtenOp] = {}

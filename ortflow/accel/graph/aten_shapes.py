@@ -1,5 +1,6 @@
-"""Output shapes of ATen nodes for ORT's symbolic shape inference (ORTModule): ortflow's convolutions, bf16 GEMMs,
-GELUs and cross-entropies, and ORTModule's own adaptive average pooling.
+"""Output shapes of ATen nodes for ORT's symbolic shape inference (ORTModule): the rules ortflow's ATen operators
+declare (`AtenOp.shape`: convolutions, bf16 GEMMs, GELUs, cross-entropies), and ORTModule's own adaptive average
+pooling.
 
 Why: ORTModule infers the shapes of its exported graph with ORT's SymbolicShapeInference, which knows the shapes of
 a few ATen operators only; for any other it guesses an output of the first input's rank with new symbolic dims, and
@@ -15,7 +16,7 @@ convolution formula on symbolic dims) the gradient is reduced as it must be.
 
 from typing import Any
 
-from ortflow.accel.graph import aten_conv, aten_cross_entropy, aten_gelu, aten_gemm
+from ortflow.accel.graph import aten_nodes
 
 
 def _values(inference: Any, node: Any, index: int) -> list[int] | None:
@@ -150,12 +151,9 @@ def install() -> None:
     def init_with_ours(self, *args, **kwargs):
         init(self, *args, **kwargs)
         dispatch = self.aten_op_dispatcher_
-        for operator in (aten_conv.OPERATOR, aten_conv.OPERATOR_BF16):
-            dispatch[operator] = lambda node: convolution_shape(self, node)
-        dispatch[aten_gemm.OPERATOR] = lambda node: gemm_shape(self, node)
-        dispatch[aten_gelu.OPERATOR] = lambda node: same_shape(self, node)
-        dispatch[aten_cross_entropy.OPERATOR] = lambda node: scalar_shape(self, node)
-        dispatch[aten_cross_entropy.FUSED] = lambda node: linear_loss_shape(self, node)
+        for op in aten_nodes.OPS.values():
+            if op.shape is not None:
+                dispatch[op.forward] = lambda node, rule=op.shape: rule(self, node)
         pool = dispatch.get("_adaptive_avg_pool2d", lambda node: None)
         dispatch["_adaptive_avg_pool2d"] = lambda node: adaptive_pool_shape(self, node, pool)
 

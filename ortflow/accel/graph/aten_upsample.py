@@ -5,20 +5,19 @@ find an implementation for ResizeGrad"): segmentation heads (LR-ASPP, DeepLab, U
 train in either engine. ORTModule's own export handles nearest and bicubic modes with ATen nodes, not the
 (bi/tri)linear ones the segmentation heads use, and the artifacts engine has none of them.
 
-How: while an ORT engine exports (symbolics.ort_export), every `aten::upsample_*` becomes one
-`org.pytorch.aten::ATen` node running torch's own operator (`vec` overload: the output size or the scale factors,
-whichever the model gave); its gradient node runs `aten::upsample_*_backward` with the output and input sizes read
-from the graph (ORTModule's registry already defines it for nearest and bicubic; the linear modes are registered
-here in the same form). The torch operators take no gradient for their scale or size inputs, so no mask is needed.
+How (its declaration at the end: the plan's `upsample` op, on the torch path in the fast target; the portable target
+refuses it, naming the module: ORT has no ORT-native way to train it on CPU): while an ORT engine exports
+(symbolics.py), every `aten::upsample_*` becomes one `org.pytorch.aten::ATen` node running torch's own operator
+(`vec` overload: the output size or the scale factors, whichever the model gave); its gradient node runs
+`aten::upsample_*_backward` with the output and input sizes read from the graph (ORTModule's registry already
+defines it for nearest and bicubic; the linear modes are registered here in the same form). The torch operators
+take no gradient for their scale or size inputs, so no mask is needed.
 """
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
-import torch
-
-from ortflow.accel.graph import aten_nodes
+from ortflow.accel.graph import aten_nodes, symbolics
+from ortflow.accel.graph import plan as graph_plan
 
 DIMS = {
     "upsample_nearest1d": 1,
@@ -41,18 +40,6 @@ def _symbolic(name: str):
         return output
 
     return symbolic
-
-
-@contextlib.contextmanager
-def exporting(opset: int) -> Iterator[None]:
-    """Upsampling as ATen nodes during one ORT export at `opset`; afterwards torch's own symbolics again."""
-    for name in DIMS:
-        torch.onnx.register_custom_op_symbolic(f"aten::{name}", _symbolic(name), opset)
-    try:
-        yield
-    finally:
-        for name in DIMS:
-            torch.onnx.unregister_custom_op_symbolic(f"aten::{name}", opset)
 
 
 def _gradient(name: str):
@@ -91,3 +78,34 @@ for _name in DIMS:
             overload="vec",
         )
     )
+
+
+def _upsample(name: str) -> graph_plan.SymbolicFactory:
+    def factory(plan: graph_plan.GraphPlan, native) -> Any:
+        if plan.by_torch(NAME):
+            return _symbolic(name)
+
+        def refused(g: Any, *args: Any) -> Any:
+            raise graph_plan.NoPortablePath(
+                f"an upsampling ({name})",
+                symbolics.scope(g),
+                "ONNX exports it as Resize, and ONNX Runtime's CPU build has no gradient for Resize (ortflow runs it "
+                "with torch's kernels, which a device does not have)",
+            )
+
+        return refused
+
+    return factory
+
+
+NAME = "upsample"
+OP = graph_plan.declare(
+    graph_plan.GraphOp(
+        NAME,
+        replaces="Resize (aten::upsample_*: nn.Upsample, F.interpolate), which ORT's CPU build cannot differentiate",
+        module=__name__,
+        paths=(graph_plan.Path.torch,),
+        choose=lambda settings, precision, engine: graph_plan.Path.torch,
+        symbolics={f"::{name}": _upsample(name) for name in DIMS},
+    )
+)

@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from ortflow.accel.graph import plan as graph_plan
 from ortflow.errors import ModelError, OrtflowError
 from ortflow.model.probe import training_forward_probe
 
@@ -72,14 +73,24 @@ class Site:
     count: int  # values per channel in one batch (numel / channels): the n of the unbiased correction n / (n - 1)
 
 
-def refuse_unsupported(model: nn.Module, mode: str) -> None:
-    """Refuse, before any export, normalisation layers whose statistics the engine cannot keep as torch does.
+def refuse_unsupported(model: nn.Module, mode: str, plan: graph_plan.GraphPlan | None = None) -> None:
+    """Refuse, before any export, normalisation layers whose statistics the engine cannot keep as torch does (or,
+    where the plan leaves them to ORT's kernel, as ORT can).
 
     Raises:
         ModelError: naming the layer, why, and what trains it.
     """
+    by_ort = plan is not None and plan.path(NAME) is graph_plan.Path.ort
     for name, module in model.named_modules():
         label = f"'{name}' ({type(module).__name__})" if name else type(module).__name__
+        if by_ort and isinstance(module, _BatchNorm) and module.track_running_stats and module.momentum is None:
+            raise ModelError(
+                f"accel={mode} accel.target={plan.target.value} cannot train the model's {label} with "
+                "momentum=None: its running statistics are then a cumulative average over every batch, and ONNX "
+                "Runtime's BatchNormalization kernel, which updates them inside the graph there, only has an "
+                "exponential moving average. Give the layer a momentum (torch's default is 0.1), or use "
+                "accel.target=fast (ortflow keeps the statistics as torch does)."
+            )
         if isinstance(module, nn.SyncBatchNorm):
             raise ModelError(
                 f"accel={mode} cannot train the model's {label}: SyncBatchNorm averages the batch statistics across "
@@ -301,6 +312,13 @@ class BatchNorms:
             return mean.double(), torch.zeros_like(now_var)
         return (now_mean - keep * mean.double()) / (1 - keep), (now_var - keep * UNWRITTEN) / (1 - keep)
 
+    @torch.no_grad()
+    def counted(self) -> None:
+        """After a training forward whose statistics ORT's kernel updated inside the graph: num_batches_tracked + 1."""
+        for site in self.sites:
+            site.module.num_batches_tracked.data.add_(1)
+        self.updates += 1
+
     def describe(self) -> dict[str, int]:
         return {"batchnorm_layers": len(self.sites), "batchnorm_updates": self.updates}
 
@@ -325,3 +343,44 @@ class UpdatedAfterForward(nn.Module):
         output = self.module(*args)
         self.norms.after(kept, in_ort=self.forward_runs() > runs)
         return output
+
+
+class CountedAfterForward(nn.Module):
+    """Around an ORTModule whose graph keeps BatchNorm's running statistics itself (ORT's kernel updates the torch
+    buffers in place, the plan's ORT path): after each training forward ORT ran, num_batches_tracked counts it, as
+    torch's forward does (ORT's kernel has no such counter; a forward PyTorch ran instead counted itself)."""
+
+    def __init__(self, module: nn.Module, norms: BatchNorms, forward_runs: Callable[[], int]) -> None:
+        super().__init__()
+        self.module = module
+        self.norms = norms
+        self.forward_runs = forward_runs
+
+    def forward(self, *args: Any) -> Any:
+        runs = self.forward_runs()
+        output = self.module(*args)
+        if self.training and self.forward_runs() > runs:
+            self.norms.counted()
+        return output
+
+
+def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    """The host path: momentum 0 (the batch statistics left in place for the host's update). ORT's path: the
+    momentum torch's export wrote (1 - the module's), ORT's kernel updating the statistics inside the graph."""
+    if plan.path(NAME) is graph_plan.Path.host:
+        work.count("batchnorm_batch_statistics_in_place", batch_statistics_in_place(model))
+
+
+NAME = "batchnorm_statistics"
+OP = graph_plan.declare(
+    graph_plan.GraphOp(
+        NAME,
+        "BatchNorm's running statistics: torch's update by the host (exact), or ORT's kernel inside the graph "
+        "(biased batch variance, no num_batches_tracked)",
+        __name__,
+        (graph_plan.Path.host, graph_plan.Path.ort),
+        lambda settings, precision, engine: graph_plan.Path.host,
+        rewrite=_rewrite,
+        order=20,
+    )
+)

@@ -32,6 +32,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.accel.graph import einsum
+from ortflow.accel.graph import plan as graph_plan
 from ortflow.accel.graph.onnx_values import attribute, value_types
 
 Emit = Callable[[str, list[str], dict], str]  # (op, inputs, attributes) -> output name
@@ -161,3 +162,20 @@ def decompose_ops_without_gradient(model: onnx.ModelProto) -> int:
     del graph.node[:]
     graph.node.extend(nodes)
     return changed
+
+
+def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    work.count("ops_without_gradient_decomposed", decompose_ops_without_gradient(model))
+
+
+graph_plan.declare(
+    graph_plan.GraphOp(
+        "decompositions",
+        "ops ORT cannot differentiate (HardSwish, Elu, Softplus, PRelu, DepthToSpace, Einsum, ...), written out",
+        __name__,
+        (graph_plan.Path.ort,),
+        lambda settings, precision, engine: graph_plan.Path.ort,
+        rewrite=_rewrite,
+        order=40,
+    )
+)

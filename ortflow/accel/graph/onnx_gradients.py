@@ -30,6 +30,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.accel.compat import ort
+from ortflow.accel.graph import plan as graph_plan
 from ortflow.accel.graph.onnx_values import attribute, value_types
 from ortflow.errors import ModelError
 
@@ -278,3 +279,20 @@ def prepare(model: onnx.ModelProto) -> int:
     del graph.node[:]
     graph.node.extend(nodes)
     return count
+
+
+def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    work.count("ops_given_ort_gradients", prepare(model))
+
+
+graph_plan.declare(
+    graph_plan.GraphOp(
+        "onnx_gradients",
+        "ONNX ops ORT has no gradient builder for (Atan, CumSum, ReduceMax, ...): given gradients in ONNX ops",
+        __name__,
+        (graph_plan.Path.ort,),
+        lambda settings, precision, engine: graph_plan.Path.ort,
+        rewrite=_rewrite,
+        order=50,
+    )
+)

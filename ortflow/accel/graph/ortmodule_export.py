@@ -1,68 +1,45 @@
 """The graph work around ORTModule's own export (the `ExportHooks` the ortmodule engine hands to the compatibility
-layer's ORTModule patches): ortflow's symbolics while torch exports, ortflow's graph fixes on the exported graph, and
-shape inference that survives graphs ORT's symbolic inference rejects."""
+layer's ORTModule patches): the graph pipeline (accel/graph/pipeline.py) under the running engine's plan, the
+symbolics while torch exports and the rewrites on the exported graph, and shape inference that survives graphs ORT's
+symbolic inference rejects."""
 
 import contextlib
 import logging
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import onnx
+from torch import nn
 
 from ortflow.accel.compat.ortmodule_patches import ExportHooks
-from ortflow.accel.graph import aten_cross_entropy, aten_gelu, aten_nodes, aten_shapes, onnx_gradients, symbolics
-from ortflow.accel.graph.rewrites import Rewrites, prepare_training_graph
+from ortflow.accel.graph import batchnorm, pipeline
+from ortflow.accel.graph.plan import GraphPlan, GraphWork, Path
+from ortflow.model.probe import buffers_kept
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ExportSettings:
-    """The graph work one ORTModule engine asked for."""
-
-    rewrites: Rewrites = field(default_factory=Rewrites)  # the graph rewrites applied before the gradient is built
-    aten_conv: bool = False  # every convolution exported as an ATen node run by torch (graph/aten_conv.py)
-    aten_layer_norm: bool = False  # every LayerNorm exported as an ATen node run by torch (graph/aten_layer_norm.py)
-    bf16: bool = False  # matrix multiplies and ATen convolutions computed in bf16 by torch (graph/aten_gemm.py)
-    aten_gelu: bool = False  # GELU's tanh approximation as an ATen node run by torch (graph/aten_gelu.py)
-    aten_cross_entropy: bool = False  # the loss's SoftmaxCrossEntropyLoss run by torch (graph/aten_cross_entropy.py)
-
-    @property
-    def torch_kernels(self) -> bool:
-        """Whether the exported graphs may hold ATen nodes that torch runs (then ORT must not spin-wait)."""
-        return self.aten_conv or self.aten_layer_norm or self.bf16 or self.aten_gelu or self.aten_cross_entropy
-
-
-def _install() -> None:
-    aten_nodes.register_gradients()  # ORTModule publishes ORT's gradient registry when it is built
-    onnx_gradients.register_gradients()  # and the standard ONNX ops ORT has no gradient builder for
-    aten_shapes.install()  # the ATen convolutions' output shapes (squeeze-excitation's broadcast gradient)
-
-
 @contextlib.contextmanager
-def _exporting(settings: ExportSettings | None, opset: int) -> Iterator[None]:
-    settings = settings or ExportSettings()
-    with symbolics.ort_export(opset, settings.aten_conv, settings.aten_layer_norm, settings.bf16):
+def _exporting(plan: GraphPlan | None, opset: int, module: nn.Module) -> Iterator[None]:
+    if plan is None:  # an ORTModule built outside an ortflow engine: ORTModule's own export
+        yield
+        return
+    # The export traces one training forward in torch. Where ORT's kernel keeps BatchNorm's statistics, the update
+    # that trace makes is undone (the host's path overwrites it with its own).
+    kept = plan.path(batchnorm.NAME) is Path.ort
+    with pipeline.exporting(plan, opset), buffers_kept(module) if kept else contextlib.nullcontext():
         yield
 
 
-def _fix(
-    model: onnx.ModelProto, trainable: set[str], frozen: set[str], settings: ExportSettings | None
-) -> dict[str, int]:
-    settings = settings or ExportSettings()
-    fixes, masks = prepare_training_graph(model, settings.rewrites)
-    assert not masks, "ORTModule cannot feed dropout masks"  # Rewrites.dropout_masks is artifacts-only
-    if settings.aten_gelu:  # GELU's gradient by torch, not ORT's FastGeluGrad
-        aten_gelu.tanh_gelus_to_aten(model)
-    if settings.aten_cross_entropy:  # the loss by torch (in bf16 fused with the LM head), not ORT's
-        aten_cross_entropy.losses_to_aten(model, settings.bf16)
-    if torch_nodes := aten_nodes.count_all(model):
-        # ORTModule builds its gradient graph for the trainable parameters only (the compatibility layer's patch), so
-        # the ATen nodes compute no gradient for a frozen weight either (and keep its bf16 copy from step to step).
-        aten_nodes.set_gradient_masks(model, trainable, frozen)
-    fixes.update(aten_nodes.graph_fixes(torch_nodes))
-    return fixes
+def _fix(model: onnx.ModelProto, trainable: set[str], frozen: set[str], plan: GraphPlan | None) -> dict[str, int]:
+    if plan is None:
+        return {}
+    # ORTModule feeds dropout masks as its module's inputs (graph/fed_dropout.py), never as graph inputs. It builds
+    # its gradient graph for the trainable parameters only (the compatibility layer's patch), so the ATen nodes
+    # compute no gradient for a frozen weight either (and keep its bf16 copy from step to step).
+    work = pipeline.prepare(model, plan, GraphWork(trainable, frozen))
+    pipeline.register_gradients(work)  # those declared since ORTModule was first built too
+    return work.fixes
 
 
 def _infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -110,4 +87,4 @@ def _plain_dim_names(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-HOOKS = ExportHooks(install=_install, exporting=_exporting, fix=_fix, infer_shapes=_infer_shapes)
+HOOKS = ExportHooks(install=pipeline.install, exporting=_exporting, fix=_fix, infer_shapes=_infer_shapes)

@@ -3,7 +3,10 @@
 Two kinds. Fixes, always applied, make a graph ORT can differentiate at all (`add_dropout_masks`). Speed rewrites
 replace a node whose ORT CPU training kernel is slow (single-threaded or contending) with nodes whose forward result
 is the same and whose gradient ORT runs fast; each is optional in the accel config and on by default only where
-`ortflow-bench` measured it faster (docs/performance.md). Every rewrite returns how many nodes it changed.
+`ortflow-bench` measured it faster (docs/performance.md). Every rewrite returns how many nodes it changed. Each is
+declared at the end as a graph-plan op (accel/graph/plan.py): the `dropout` op's fed masks are `accel.rewrite_dropout`
+(ORTModule's own way of feeding them: fed_dropout.py), the speed rewrites `accel.rewrite_*`; all of them write ONNX
+operators only, so the portable target keeps them, but for the fed masks.
 """
 
 import logging
@@ -14,21 +17,12 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.accel.graph import decompositions, onnx_gradients
-from ortflow.accel.graph.batchnorm import batch_statistics_in_place
+from ortflow.accel.compat import ort
+from ortflow.accel.graph import aten_nodes
+from ortflow.accel.graph import plan as graph_plan
 from ortflow.accel.graph.onnx_values import attribute, readers, value_types
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Rewrites:
-    """Which speed rewrites an engine applies (from its accel config)."""
-
-    gathers: bool = True  # constant-index Gather -> Slice + Squeeze
-    relu: bool = True  # Relu -> x * (x > 0)
-    embedding_max_vocab: int = 0  # Gather on a (V, D) weight -> OneHot @ W for V up to this; 0 = off
-    dropout_masks: bool = False  # Dropout -> x * mask, the mask a graph input the engine feeds (artifacts only)
 
 
 @dataclass(frozen=True)
@@ -305,6 +299,8 @@ def _shapes_by_running(model: onnx.ModelProto, names: list[str], feeds: dict[str
     e.g. after nn.MultiheadAttention's computed Reshapes; the training graphs have static shapes)."""
     import onnxruntime
 
+    if aten_nodes.count_all(model):  # torch's kernels in the graph: ORT runs them through torch's executor
+        ort.load_aten_executor()
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     probe.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in names)
@@ -355,33 +351,6 @@ def dropout_to_mask_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray] 
     return masks
 
 
-def prepare_training_graph(
-    model: onnx.ModelProto, rewrites: Rewrites, feeds: dict[str, np.ndarray] | None = None
-) -> tuple[dict[str, int], list[DropoutMask]]:
-    """All fixes and the rewrites asked for, on a forward graph about to be differentiated by ORT (`feeds`: example
-    inputs, to find shapes shape inference cannot). Returns how many nodes each changed (only those that changed
-    something) and the dropout masks the engine must feed."""
-    fixes = {
-        "attention_dropout_in_training_mode": attention_dropout_in_training_mode(model),
-        "batchnorm_batch_statistics_in_place": batch_statistics_in_place(model),
-        "instance_norm_decomposed": decompose_instance_norms(model),
-        "ops_without_gradient_decomposed": decompositions.decompose_ops_without_gradient(model),
-        "ops_given_ort_gradients": onnx_gradients.prepare(model),
-    }
-    masks = dropout_to_mask_inputs(model, feeds) if rewrites.dropout_masks else []
-    fixes |= {"dropout_to_mask_inputs": len(masks), "dropout_mask_outputs": add_dropout_masks(model)}
-    if rewrites.gathers:
-        fixes["constant_gathers_to_slices"] = constant_gathers_to_slices(model)
-    if rewrites.relu:
-        fixes["relu_to_mask_mul"] = relu_to_mask_mul(model)
-    if rewrites.embedding_max_vocab:
-        fixes["embedding_to_onehot_matmul"] = small_embeddings_to_onehot_matmul(model, rewrites.embedding_max_vocab)
-    fixes = {name: count for name, count in fixes.items() if count}
-    if fixes:
-        log.debug("graph fixes applied: %s", fixes)
-    return fixes, masks
-
-
 class MaskSampler:
     """Draws one step's dropout masks into buffers allocated once: 0 with probability `ratio`, else 1/(1-ratio).
 
@@ -422,3 +391,119 @@ class MaskSampler:
 def draw_masks(masks: list[DropoutMask], seed: int | None = None) -> list[np.ndarray]:
     """One step's masks in new arrays (MaskSampler.draw)."""
     return MaskSampler(masks).draw(seed)
+
+
+# ------------------------------------------------------------------------------------------------- declarations
+def _attention_dropout(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    work.count("attention_dropout_in_training_mode", attention_dropout_in_training_mode(model))
+
+
+def _instance_norms(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    work.count("instance_norm_decomposed", decompose_instance_norms(model))
+
+
+def _dropout(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    """The fed path where the engine feeds graph inputs (ORTModule feeds its module's inputs: fed_dropout.py, before
+    the export); ORT's own Dropout otherwise, each given the mask output its gradient reads."""
+    if plan.path("dropout") is graph_plan.Path.fed and work.masks_as_inputs:
+        work.masks = dropout_to_mask_inputs(model, work.feeds)
+        work.count("dropout_to_mask_inputs", len(work.masks))
+    work.count("dropout_mask_outputs", add_dropout_masks(model))
+
+
+def _gathers(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    if plan.settings.rewrite_gathers:
+        work.count("constant_gathers_to_slices", constant_gathers_to_slices(model))
+
+
+def _relu(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    if plan.settings.rewrite_relu:
+        work.count("relu_to_mask_mul", relu_to_mask_mul(model))
+
+
+# rewrite_embedding_max_vocab=null: where it was measured faster (artifacts, docs/performance.md); off elsewhere
+EMBEDDING_MAX_VOCAB = {"artifacts": 512}
+
+
+def _embeddings(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    vocab = plan.settings.rewrite_embedding_max_vocab
+    vocab = EMBEDDING_MAX_VOCAB.get(plan.engine, 0) if vocab is None else vocab
+    if vocab:
+        work.count("embedding_to_onehot_matmul", small_embeddings_to_onehot_matmul(model, vocab))
+
+
+def _ort(*_: object) -> graph_plan.Path:
+    return graph_plan.Path.ort
+
+
+_ORT = (graph_plan.Path.ort,)
+graph_plan.declare(
+    graph_plan.GraphOp(
+        "attention_dropout_mode",
+        "scaled_dot_product_attention's Dropout exported without training_mode (run as the identity): made to train",
+        __name__,
+        _ORT,
+        _ort,
+        rewrite=_attention_dropout,
+        order=10,
+    )
+)
+graph_plan.declare(
+    graph_plan.GraphOp(
+        "instance_norm",
+        "InstanceNormalization (nn.InstanceNorm*d, nn.GroupNorm), which ORT cannot differentiate: written out",
+        __name__,
+        _ORT,
+        _ort,
+        rewrite=_instance_norms,
+        order=30,
+    )
+)
+graph_plan.declare(
+    graph_plan.GraphOp(
+        "dropout",
+        "Dropout (nn.Dropout, F.dropout, attention weights): masks fed each step, or ORT's own Dropout",
+        __name__,
+        (graph_plan.Path.fed, graph_plan.Path.ort),
+        lambda settings, precision, engine: graph_plan.Path.fed if settings.rewrite_dropout else graph_plan.Path.ort,
+        setting="rewrite_dropout",
+        rewrite=_dropout,
+        order=60,
+    )
+)
+graph_plan.declare(
+    graph_plan.GraphOp(
+        "gathers",
+        "constant-index Gather (MultiheadAttention's q/k/v split) as Slice: no GatherGrad",
+        __name__,
+        _ORT,
+        _ort,
+        setting="rewrite_gathers",
+        rewrite=_gathers,
+        order=70,
+    )
+)
+graph_plan.declare(
+    graph_plan.GraphOp(
+        "relu",
+        "Relu as x * (x > 0): a parallel Mul instead of ORT's single-threaded ReluGrad",
+        __name__,
+        _ORT,
+        _ort,
+        setting="rewrite_relu",
+        rewrite=_relu,
+        order=71,
+    )
+)
+graph_plan.declare(
+    graph_plan.GraphOp(
+        "embedding",
+        "a small embedding's Gather as OneHot @ W: a Gemm instead of ORT's contending GatherGrad",
+        __name__,
+        _ORT,
+        _ort,
+        setting="rewrite_embedding_max_vocab",
+        rewrite=_embeddings,
+        order=72,
+    )
+)

@@ -1,19 +1,20 @@
-"""ONNX export symbolics ortflow uses while an ORT engine exports a model (`ort_export`).
+"""The export symbolics in force while an ORT engine exports a model (`exporting`), and around ortflow's inference
+export (`torch_only_export`).
 
-- `aten::_convolution`, `aten::_convolution_mode`: convolutions as ATen nodes run by torch's kernels
-  (accel/graph/aten_conv.py): transposed ones always, all with `accel.aten_conv`.
-- `aten::layer_norm`: LayerNorm as an ATen node run by torch's kernels with `accel.aten_layer_norm`
-  (accel/graph/aten_layer_norm.py).
-- `aten::linear`, `aten::matmul`, `aten::bmm`, `aten::addmm`: bf16 GEMMs run by torch's kernels with
-  trainer.precision=bf16-mixed (accel/graph/aten_gemm.py).
-- `aten::batch_norm` without running statistics (BatchNorm(track_running_stats=False)) and `aten::instance_norm`:
-  torch's own need the batch and channel sizes as constants ("batch_size and channel_size must be non-None",
-  "ONNX export of instance_norm for unknown channel size"), which ORTModule's export, every input dimension
-  dynamic, does not have. These compute the same batch statistics, and the same ones/zeros for a missing weight and
-  bias, from the tensor's shape at run time.
+While an ORT engine exports under a graph plan (accel/graph/plan.py), every torch operator an op declares
+(`GraphOp.symbolics`) runs that op's symbolic for the path the plan chose (its ATen node, or the native symbolic:
+ORTModule's where it registered one at that opset, else torch's own). Under the portable target, the operators
+ORTModule exports as ATen nodes (its embedding, pooling, group_norm, ...: ORT_ATEN_SYMBOLICS) run torch's own, so
+the graph holds ONNX and com.microsoft operators only.
+
+Two fixes hold in every ORT export: `aten::batch_norm` without running statistics (BatchNorm(track_running_stats=
+False)) and `aten::instance_norm`, whose torch symbolics need the batch and channel sizes as constants ("batch_size
+and channel_size must be non-None", "ONNX export of instance_norm for unknown channel size"), which ORTModule's
+export, every input dimension dynamic, does not have. These compute the same batch statistics, and the same
+ones/zeros for a missing weight and bias, from the tensor's shape at run time.
 
 torch keeps custom symbolics per opset for the whole process, and has no way to read one back. So each is registered
-once per opset as a dispatcher: inside `ort_export` it does the above, outside it (ortflow's own inference export,
+once per opset as a dispatcher: inside an ORT export it does the above, outside it (ortflow's own inference export,
 export.onnx, or a user's torch.onnx.export) it calls what would have run without it: ORT's symbolic where ORTModule
 registered one, else torch's own.
 """
@@ -21,28 +22,96 @@ registered one, else torch's own.
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.onnx import symbolic_helper
 
 from ortflow.accel.compat import ort, ortmodule_patches, torch_onnx
-from ortflow.accel.graph import aten_conv, aten_gemm, aten_layer_norm, aten_upsample
+from ortflow.accel.graph import plan as graph_plan
 
-
-@dataclass(frozen=True)
-class _Export:
-    aten_conv: bool  # every convolution as an ATen node (transposed ones always)
-    aten_layer_norm: bool = False  # every LayerNorm as an ATen node
-    bf16: bool = (
-        False  # matrix multiplies (and the ATen convolutions) computed in bf16 by torch (accel/graph/aten_gemm.py)
-    )
-
-
-_ACTIVE: contextvars.ContextVar[_Export | None] = contextvars.ContextVar("ortflow_ort_export", default=None)
+_ACTIVE: contextvars.ContextVar[graph_plan.GraphPlan | None] = contextvars.ContextVar(
+    "ortflow_ort_export", default=None
+)
 # Inside `torch_only_export`: every operator by torch's own symbolic (an inference graph any ONNX runtime can run).
 _TORCH_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("ortflow_torch_only_export", default=False)
+
+
+# ORTModule's symbolics (onnxruntime/training/ortmodule/_custom_op_symbolic_registry.py) that emit ATen nodes, which
+# only torch can run: a portable export takes torch's own for these. Its others emit ONNX or com.microsoft operators
+# whose gradients ORT builds (its cross-entropy's SoftmaxCrossEntropyLossInternal keeps the log-probabilities its
+# gradient reads, which torch's own SoftmaxCrossEntropyLoss export does not): a portable export keeps them.
+ORT_ATEN_SYMBOLICS = frozenset(
+    f"::{name}"
+    for name in (
+        "adaptive_avg_pool2d",
+        "argmax",
+        "avg_pool2d",
+        "bitwise_or",
+        "diagonal",
+        "embedding",
+        "group_norm",
+        "max",
+        "max_pool2d",
+        "min",
+        "multinomial",
+        "numpy_T",
+        "scaled_dot_product_attention",
+        "unfold",
+    )
+)
+
+
+def own_torch_symbolic(name: str, opset: int) -> Callable[..., Any] | None:
+    """torch's own symbolic for `::name` at `opset` (what its exporter registers itself), or None."""
+    return torch_onnx.default_symbolic(name.removeprefix("::"), opset)
+
+
+def native(name: str, opset: int) -> Callable[..., Any]:
+    """What `::name` exports as without ortflow's symbolic: ORTModule's symbolic where ORTModule registered its
+    symbolics at this opset (unless it emits an ATen node under a portable plan, or in `torch_only_export`), else
+    torch's own."""
+    active = _ACTIVE.get()
+    torch_only = _TORCH_ONLY.get() or (active is not None and active.portable and name in ORT_ATEN_SYMBOLICS)
+    if not torch_only and opset in ortmodule_patches.ort_symbolic_opsets() and (found := ort.ort_symbolic(name)):
+        return found
+    own = own_torch_symbolic(name, opset)
+    if own is None:  # torch's exporter then says which operator it cannot export, where it meets one
+
+        def missing(g, *args):
+            operator = name.removeprefix("::")
+            raise RuntimeError(f"Exporting the operator {operator} to ONNX opset {opset} is not supported")
+
+        return missing
+    return own
+
+
+def _declared(name: str, factory: graph_plan.SymbolicFactory) -> Callable[..., Any]:
+    """The dispatcher of an operator an op declares: its symbolic under the active plan, else the native one."""
+
+    def symbolic(g, *args):
+        active = _ACTIVE.get()
+        if _TORCH_ONLY.get() or active is None:
+            return native(name, g.opset)(g, *args)
+        return factory(active, native(name, g.opset))(g, *args)
+
+    return symbolic
+
+
+def _ort_registered(name: str, registered: Callable[..., Any]) -> Callable[..., Any]:
+    """The dispatcher of an operator ORTModule registers a symbolic for and no op declares: torch's own in
+    `torch_only_export`, and in a portable export where ORTModule's emits ATen nodes; otherwise what ran before:
+    ORTModule's at the opsets it registered its symbolics at, torch's own at the others."""
+
+    def symbolic(g, *args):
+        active = _ACTIVE.get()
+        portable = _TORCH_ONLY.get() or (active is not None and active.portable and name in ORT_ATEN_SYMBOLICS)
+        own = own_torch_symbolic(name, g.opset)
+        if own is not None and (portable or g.opset not in ortmodule_patches.ort_symbolic_opsets()):
+            return own(g, *args)
+        return registered(g, *args)
+
+    return symbolic
 
 
 def _torch_batch_norm(g, *args):
@@ -110,79 +179,27 @@ def _filled(g, like, value: float, shape: bool = False):
     return g.op("ConstantOfShape", like if shape else g.op("Shape", like), value_t=torch.tensor([value]))
 
 
-def _convolution(g, *args):
-    active = _ACTIVE.get()
-    native = ort.ort_symbolic("::_convolution") or torch_onnx.torch_symbolic("symbolic_opset9", "_convolution")
-    if active is None:
-        return native(g, *args)
-    return aten_conv.convolution_symbolic(active.aten_conv, native, active.bf16)(g, *args)
+# The fixes every ORT export keeps (whatever the plan), by torch operator.
+FIXES: dict[str, Callable[..., Any]] = {"::batch_norm": batch_norm, "::instance_norm": instance_norm}
 
 
-def _convolution_mode(g, *args):
-    active = _ACTIVE.get()
-    native = ort.ort_symbolic("::_convolution_mode") or torch_onnx.torch_symbolic(
-        "symbolic_opset9", "_convolution_mode"
-    )
-    if active is None or not active.aten_conv:
-        return native(g, *args)
-    return aten_conv.convolution_mode_symbolic(native, active.bf16)(g, *args)
+def _dispatchers() -> dict[str, Callable[..., Any]]:
+    """Every operator ortflow registers a symbolic for: the declared ops' and the fixes."""
+    found = dict(FIXES)
+    for op in graph_plan.OPS.values():
+        for name, factory in op.symbolics.items():
+            found[name] = _declared(name, factory)
+    return found
 
 
-def _layer_norm(g, *args):
-    """ortflow's ATen LayerNorm inside an ORT export with accel.aten_layer_norm; otherwise ORTModule's symbolic at the
-    opsets ORTModule registered it for, torch's own at the others (ORT's emits LayerNormalization, an opset-17 op)."""
-    active = _ACTIVE.get()
-    if active is not None and active.aten_layer_norm:
-        return aten_layer_norm.emit(g, *args)
-    if g.opset in ortmodule_patches.ort_symbolic_opsets() and (found := ort.ort_symbolic("::layer_norm")) is not None:
-        return found(g, *args)
-    return torch_onnx.torch_symbolic("symbolic_opset17" if g.opset >= 17 else "symbolic_opset9", "layer_norm")(g, *args)
-
-
-def _gemm(name: str, bf16_symbolic: Callable[[Any], Any]) -> Callable[..., Any]:
-    """The `aten::<name>` dispatcher: accel/graph/aten_gemm.py's bf16 ATen node in a bf16 ORT export, otherwise ORT's
-    symbolic where ORTModule registered one, else torch's own."""
-
-    def symbolic(g, *args):
-        native = ort.ort_symbolic(f"::{name}") or torch_onnx.torch_symbolic("symbolic_opset9", name)
-        active = _ACTIVE.get()
-        if active is None or not active.bf16:
-            return native(g, *args)
-        return bf16_symbolic(native)(g, *args)
-
-    return symbolic
-
-
-SYMBOLICS: dict[str, Callable[..., Any]] = {
-    "::linear": _gemm("linear", aten_gemm.linear),
-    "::matmul": _gemm("matmul", aten_gemm.matmul),
-    "::bmm": _gemm("bmm", aten_gemm.matmul),
-    "::addmm": _gemm("addmm", aten_gemm.addmm),
-    "::_convolution": _convolution,
-    "::_convolution_mode": _convolution_mode,
-    "::batch_norm": batch_norm,
-    "::instance_norm": instance_norm,
-    "::layer_norm": _layer_norm,
-}
-
-
-def _own_torch_symbolic(name: str, opset: int):
-    """torch's own symbolic for `::name` at `opset` (the newest opset module defining it), or None."""
-    for version in range(opset, 8, -1):
-        try:
-            return torch_onnx.torch_symbolic(f"symbolic_opset{version}", name.removeprefix("::"))
-        except AttributeError:
-            continue
-    return None
-
-
-def _torch_only_dispatcher(name: str, opset: int, otherwise: Callable[..., Any]) -> Callable[..., Any]:
-    def symbolic(g, *args):
-        if _TORCH_ONLY.get() and (own := _own_torch_symbolic(name, opset)) is not None:
-            return own(g, *args)
-        return otherwise(g, *args)
-
-    return symbolic
+def _register(opset: int) -> None:
+    """ortflow's dispatchers at `opset`, and one for each operator ORTModule registers that no op declares."""
+    ours = _dispatchers()
+    for name in ort.ort_symbolic_names():
+        if name.startswith("::") and name not in ours and (registered := ort.ort_symbolic(name)) is not None:
+            torch.onnx.register_custom_op_symbolic(name, _ort_registered(name, registered), opset)
+    for name, symbolic in ours.items():
+        torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
 
 
 @contextlib.contextmanager
@@ -190,12 +207,7 @@ def torch_only_export(opset: int) -> Iterator[None]:
     """Around ortflow's inference export (export.onnx): torch's own symbolics for the operators ORTModule registers
     its own for (its ATen embedding, ...) and for ortflow's, so the file holds standard ONNX operators only. What is
     registered stays a dispatcher: outside this context it calls what ran before (ORT's, or ortflow's)."""
-    names = {name for name in ort.ort_symbolic_names() if name.startswith("::")}
-    for name in names - set(SYMBOLICS):
-        registered = ort.ort_symbolic(name)
-        torch.onnx.register_custom_op_symbolic(name, _torch_only_dispatcher(name, opset, registered), opset)
-    for name, symbolic in SYMBOLICS.items():
-        torch.onnx.register_custom_op_symbolic(name, _torch_only_dispatcher(name, opset, symbolic), opset)
+    _register(opset)
     token = _TORCH_ONLY.set(True)
     try:
         yield
@@ -204,14 +216,28 @@ def torch_only_export(opset: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def ort_export(opset: int, aten_conv_all: bool, aten_layer_norm: bool = False, bf16: bool = False) -> Iterator[None]:
-    """Around an ORT engine's export at `opset`: ortflow's symbolics in force (registered over whatever was there at
-    that opset, ORTModule's own included, which they call where they change nothing)."""
-    for name, symbolic in SYMBOLICS.items():
-        torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
-    token = _ACTIVE.set(_Export(aten_conv_all, aten_layer_norm, bf16))
+def exporting(plan: graph_plan.GraphPlan, opset: int) -> Iterator[None]:
+    """Around an ORT engine's export at `opset`: ortflow's symbolics in force for `plan` (registered over whatever was
+    there at that opset, ORTModule's own included, which they call where the plan changes nothing)."""
+    _register(opset)
+    token = _ACTIVE.set(plan)
     try:
-        with aten_upsample.exporting(opset):  # upsampling as ATen nodes: ORT has no CPU ResizeGrad
-            yield
+        yield
+    except Exception as err:  # a refusal is kept where the engine finds it, whatever wraps it on its way out
+        if (refused := graph_plan.refusal_in(err)) is not None:
+            plan.refusals.append(refused)
+        raise
     finally:
         _ACTIVE.reset(token)
+
+
+def scope(g: Any) -> str:
+    """The module path of the torch node being exported, as ONNX node names carry it (`/model/up/up.0/`), for naming
+    the module in an error."""
+    try:
+        name = g.original_node.scopeName()
+    except AttributeError:
+        return ""
+    # "pkg.Wrapper::/pkg.Model::model/torch.nn.modules.conv.ConvTranspose2d::up": each part `class::attribute`
+    parts = [part.rpartition("::")[2] for part in name.split("/")]
+    return "/" + "".join(f"{p}/" for p in parts if p)

@@ -1,0 +1,137 @@
+"""The graph work's one pipeline, the same for both ORT engines and the device export:
+
+    plan (GraphPlan.compute: settings, precision, target)
+      -> export          torch.onnx's TorchScript exporter with the plan's symbolics in force (`exporting`)
+      -> rewrites        every declared op's graph rewrite, in its order (`prepare`): fixes that make the graph
+                         differentiable, dropout, speed rewrites, torch's kernels as ATen nodes
+      -> ATen nodes      each given the mask of the gradients it must compute; counted
+      -> (portable)      no torch-kernel node left, or the op is refused (`refuse_torch_nodes`)
+      -> gradients       ORT's gradient builder (ORTModule's, or generate_artifacts), with ortflow's gradient
+                         definitions registered (`register_gradients`)
+
+The artifacts engine calls these around its own torch.onnx.export and generate_artifacts; ORTModule calls them from
+inside its export through the compatibility layer's hooks (accel/graph/ortmodule_export.py). Importing this module
+imports every op module: each declares its op in the plan's registry (accel/graph/plan.py).
+"""
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import onnx
+
+from ortflow.accel.graph import (  # noqa: F401  every op module: importing one declares its op
+    aten_conv,
+    aten_cross_entropy,
+    aten_gelu,
+    aten_gemm,
+    aten_layer_norm,
+    aten_nodes,
+    aten_shapes,
+    aten_upsample,
+    batchnorm,
+    decompositions,
+    onnx_gradients,
+    rewrites,
+    symbolics,
+)
+from ortflow.accel.graph.plan import OPS, GraphOp, GraphPlan, GraphWork, NoPortablePath, Target
+
+log = logging.getLogger(__name__)
+
+
+def ops_in_order() -> list[GraphOp]:
+    """The declared ops whose rewrites run on an exported graph, in the pipeline's order."""
+    return sorted((op for op in OPS.values() if op.rewrite is not None), key=lambda op: op.order)
+
+
+@contextlib.contextmanager
+def exporting(plan: GraphPlan, opset: int) -> Iterator[None]:
+    """Around torch's export at `opset`: the symbolics of the plan in force."""
+    with symbolics.exporting(plan, opset):
+        yield
+
+
+def prepare(model: onnx.ModelProto, plan: GraphPlan, work: GraphWork) -> GraphWork:
+    """Every declared op's rewrite on the exported forward graph `model`, then the ATen nodes' gradient masks: the
+    graph ORT's gradient builder gets. Returns `work` with the counts (`fixes`), the dropout masks to feed and the
+    number of torch-kernel nodes.
+
+    Raises:
+        NoPortablePath: a portable plan left an ATen node in the graph (an operator with no ORT-native export).
+    """
+    for op in ops_in_order():
+        before = dict(work.fixes)
+        op.rewrite(model, plan, work)
+        if work.fixes != before:
+            plan.applied.add(op.name)
+    torch_nodes = aten_nodes.count_all(model)
+    if torch_nodes:
+        # Gradients only for the differentiable inputs that depend on a trainable parameter (ORT refuses an operator
+        # that returns one nobody needs), and none for a frozen weight (its bf16 copy is kept from step to step).
+        aten_nodes.set_gradient_masks(model, work.trainable, work.frozen)
+    work.fixes.update(aten_nodes.graph_fixes(torch_nodes))
+    work.torch_nodes = sum(torch_nodes.values())
+    if plan.target is Target.portable:
+        try:
+            refuse_torch_nodes(model)
+        except NoPortablePath as refused:
+            plan.refusals.append(refused)
+            raise
+    if work.fixes:
+        log.debug("graph fixes applied: %s", work.fixes)
+    return work
+
+
+def torch_node_names(model: onnx.ModelProto) -> list[str]:
+    """The nodes of a graph that only torch can run (org.pytorch.aten ATen nodes)."""
+    return [n.name or n.output[0] for n in model.graph.node if n.domain == "org.pytorch.aten"]
+
+
+# ORT operators that call back into Python and torch: ORTModule's custom autograd Functions, torch's ATen kernels
+_NEEDS_TORCH = {"ATen", "PythonOp", "PythonOpGrad"}
+
+
+def portable(*models: onnx.ModelProto) -> bool:
+    """Whether graphs hold only ONNX and com.microsoft operators that run without Python and torch (what ORT runs
+    anywhere)."""
+    return all(
+        n.domain in ("", "ai.onnx", "com.microsoft") and n.op_type not in _NEEDS_TORCH
+        for model in models
+        for n in model.graph.node
+    )
+
+
+def refuse_torch_nodes(model: onnx.ModelProto) -> None:
+    """Raises NoPortablePath for the first torch-kernel node of a graph made under the portable target."""
+    for node in model.graph.node:
+        if node.domain == "org.pytorch.aten":
+            operator = next((a.s.decode() for a in node.attribute if a.name == "operator"), node.op_type)
+            name = node.name or node.output[0]
+            raise NoPortablePath(
+                f"the torch operator {operator}",
+                name.rsplit("/", 1)[0] + "/" if "/" in name else "",
+                "it was exported as an ATen node, which only torch can run, and ortflow has no ORT-native form of it",
+            )
+
+
+def register_gradients(work: GraphWork) -> None:
+    """Give ORT's gradient builder ortflow's definitions the prepared graph needs (the artifacts engine, before
+    generate_artifacts; ORTModule registers all of them when it is first built: `install`)."""
+    if work.torch_nodes:
+        aten_nodes.register_gradients()
+    if work.fixes.get("ops_given_ort_gradients"):
+        onnx_gradients.register_gradients()
+
+
+def install() -> None:
+    """Before the first ORTModule is built: every gradient definition and shape rule ortflow declares."""
+    aten_nodes.register_gradients()  # ORTModule publishes ORT's gradient registry when it is built
+    onnx_gradients.register_gradients()  # and the standard ONNX ops ORT has no gradient builder for
+    aten_shapes.install()  # the ATen nodes' output shapes (squeeze-excitation's broadcast gradient)
+
+
+def inference_export(opset: int) -> contextlib.AbstractContextManager:
+    """Around ortflow's inference export (export.onnx): torch's own symbolics for every operator, so the file holds
+    standard ONNX operators only (symbolics.torch_only_export)."""
+    return symbolics.torch_only_export(opset)
