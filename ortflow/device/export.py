@@ -7,6 +7,7 @@ has dropout, each run's result); with `web`, web/ (web.py). It ends with the tor
 refuses to leave a set that fails it unreported: the failure is raised after the files are written.
 """
 
+import importlib.metadata
 import json
 import logging
 import shutil
@@ -18,7 +19,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-import ortflow
 from ortflow.config import OptimConfig, OptimName
 from ortflow.data import Data
 from ortflow.device import artifact_set, check, graphs, manifest, portable, preprocessing, reference, torch_free
@@ -203,7 +203,7 @@ def _manifest(
     training, evaluation = models["training_model"], models["eval_model"]
     return {
         "format": manifest.FORMAT,
-        "ortflow": ortflow.__version__,
+        "ortflow": importlib.metadata.version("ortflow"),
         "onnxruntime": onnxruntime.__version__,
         "opset": next(o.version for o in training.opset_import if o.domain in ("", "ai.onnx")),
         "domains": {key: graphs.domains(model) for key, model in models.items()},
