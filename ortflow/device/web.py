@@ -107,3 +107,7 @@ def describe() -> dict[str, Any]:
         "serve": f"python {FOLDER}/serve.py  (then open http://127.0.0.1:8000/{FOLDER}/)",
         "page": f"{FOLDER}/index.html?set=..&steps=20",
     }
+
+
+if __name__ == "__main__":  # `python -m ortflow.device.web`: fill the cache (CI's set-up, an offline machine's)
+    print(ort_web_files(None))
