@@ -25,7 +25,7 @@ from ortflow.errors import OrtflowError
 TOLERANCE = 1e-5  # losses, relative
 PARAMETER_TOLERANCE = 1e-4  # parameters, relative to the largest: Adam moves near-zero-gradient weights by ~lr on noise
 # Running statistics, relative to the largest: the weights both sides trained differ by float rounding, and so do the
-# activations the statistics are taken of. With the weights held (tests/device/test_batchnorm.py) they agree to 1e-6
+# activations the statistics are taken of. With the weights held (tests/device/test_export.py) they agree to 1e-6
 # absolute.
 BATCHNORM_TOLERANCE = 1e-5
 SCRIPT = "train_without_torch.py"  # torch_free.py's copy beside the set
