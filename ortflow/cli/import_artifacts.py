@@ -2,7 +2,7 @@
 getContiguousParameters buffer) back into the run's torch model, saved as a torch state_dict that loads into it.
 
     ortflow-import-artifacts parameters.bin outputs/2026-11-22/10-00-00 --out device.pt
-    ortflow-predict-style use:  model.load_state_dict(torch.load("device.pt"))
+    then, in Python: model.load_state_dict(torch.load("device.pt"))   # the run's model (ortflow.load_run)
 """
 
 import argparse
