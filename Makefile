@@ -4,6 +4,7 @@
 #   make test                        # adds ortflow[test] (test tools, notebooks, optional libraries); lint + the suite
 #   make test-fast                   # lint + the fast tier (-m 'not slow')
 #   make test-range                  # the ORT engine tests on the other end of the torch range, in its own venv
+#   make test-device                 # device exports checked without torch and in headless Chromium (tests/device)
 PYTHON ?= python3
 # torch: the default end of the supported range in .venv; the other end in .venv-torch<version> (make test-range).
 TORCH ?= 2.14.1
@@ -28,7 +29,7 @@ PINS = "torch==$(TORCH)" "torchvision==$(TORCHVISION)"
 # The ninja wheel (used by the one-time extension build) installs into the venv.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup setup-test setup-range train test test-fast test-range lint
+.PHONY: setup setup-test setup-range train test test-fast test-range lint setup-device test-device
 
 # What training needs: the pinned stack and ortflow (editable) with torchvision. Redone when pyproject.toml changes.
 $(TRAIN_STAMP): pyproject.toml
@@ -76,3 +77,15 @@ setup-range:
 test-range: lint setup-range
 	PATH=$(abspath .venv-torch$(RANGE_TORCH))/bin:$$PATH .venv-torch$(RANGE_TORCH)/bin/python -m pytest $(XDIST) \
 		$(DURATIONS) $(RANGE_TESTS) $(PYTEST_ARGS)
+
+# The device tests' tools, each installed once: Debian's chromium (driven headless by the browser tests) and npm,
+# then onnxruntime-web 1.19.2's training build fetched by npm into ~/.cache/ortflow/ (what `--web` vendors).
+setup-device: setup-test
+	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	@command -v npm >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm; }
+	$(BIN)/python -m ortflow.device.web
+
+# tests/device/ (deselected from the other targets): exports that train where torch is absent and in a browser. One
+# process: its tests share trained runs (a module fixture), which xdist workers would each train again.
+test-device: setup-device
+	ORTFLOW_DEVICE_TESTS=1 $(BIN)/python -m pytest -n 0 $(DURATIONS) tests/device $(PYTEST_ARGS)

@@ -351,6 +351,11 @@ class ExportConfig:
     # loaded back with transformers and checked against the run's outputs (export.tolerance); LoRA merged in.
     hf: bool = False
     hf_adapter_only: bool = False  # with +peft=lora: hf/ holds the adapter folder peft loads onto the base model
+    # true: <run dir>/device/, the trained model as training artifacts a device trains with ORT's on-device API
+    # (what ortflow-export-artifacts writes), checked in a process without torch; device_web adds the browser page
+    # (onnxruntime-web vendored with npm).
+    device: bool = False
+    device_web: bool = False
 
 
 @dataclass

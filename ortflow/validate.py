@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from ortflow import accel, distributed, ranges
-from ortflow.config import FINAL_METRICS, PRECISIONS
+from ortflow.config import FINAL_METRICS, PRECISIONS, OptimName
 from ortflow.errors import collect
 from ortflow.model import FREEZE_KEY, OUTPUT_KEY
 
@@ -108,6 +108,13 @@ def problems(cfg: DictConfig) -> list[str]:
         )
     if cfg.export.hf_adapter_only and not cfg.export.hf:
         found.append("export.hf_adapter_only=true shapes the export.hf folder; set export.hf=true too (or drop it).")
+    if cfg.export.device_web and not cfg.export.device:
+        found.append("export.device_web=true adds a page to the export.device folder; set export.device=true too.")
+    if cfg.export.device and cfg.optim.name == OptimName.sgd and (cfg.optim.momentum or cfg.optim.weight_decay):
+        found.append(
+            "export.device=true with optim=sgd and optim.momentum/optim.weight_decay: ORT's on-device SGD has "
+            "neither; use optim=adamw, set both to 0, or drop export.device."
+        )
     return found
 
 

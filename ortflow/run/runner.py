@@ -425,4 +425,15 @@ def _train(
         inputs = split_batch(next(iter(data.val)))[0]
         adapter_only, tolerance = cfg.export.hf_adapter_only, cfg.export.tolerance
         results["export_hf"] = export_hf.save(model, data.run_files, inputs, run.path, adapter_only, tolerance)
+    if cfg.export.device and world.is_main:
+        from ortflow.device import export as device_export
+
+        request = device_export.Request(out=run.path / "device", web=cfg.export.device_web)
+        manifest = device_export.export(cfg, model, data, request, {"dir": str(run.path), "weights": "final"})
+        results["export_device"] = {
+            "folder": str(request.out),
+            "learning_rate": manifest["learning_rate"]["value"],
+            "checked_without_torch": manifest["check"]["passed"],
+            "web": "web" in manifest,
+        }
     return metrics, results, model, data

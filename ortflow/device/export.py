@@ -1,0 +1,255 @@
+"""A trained run's weights as training artifacts for a device (`ortflow-export-artifacts`, `export.device=true`).
+
+export() writes into one folder: the set (training, eval and optimizer models and a checkpoint, made by the
+artifacts engine with portable.ENGINE_SETTINGS in fp32), manifest.json (manifest.py), example/ (one batch),
+train_without_torch.py (torch_free.py) and check/ (the torch-free check's files: the no-dropout set when the model
+has dropout, each run's result); with `web`, web/ (web.py). It ends with the torch-free check (check.py) and
+refuses to leave a set that fails it unreported: the failure is raised after the files are written.
+"""
+
+import importlib.metadata
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from ortflow.config import OptimConfig, OptimName
+from ortflow.data import Data
+from ortflow.device import artifact_set, check, graphs, manifest, portable, preprocessing, reference, torch_free
+from ortflow.errors import ConfigError, OrtflowError
+from ortflow.files import json_text, write_bytes_atomic
+from ortflow.step import loss as losses
+from ortflow.step.batch import Inputs, layout_of, split_batch
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+CHECK_FOLDER, NO_DROPOUT = "check", "no_dropout"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to export. batch_size None: the run's; lr None: the run's peak optim.lr."""
+
+    out: Path
+    batch_size: int | None = None
+    lr: float | None = None
+    steps: int = 5  # steps of the torch-free check
+    web: bool = False
+    ort_web: Path | None = None  # onnxruntime-web's npm tarball or unpacked folder (None: npm fetches it)
+
+
+def typed_optim(cfg: DictConfig) -> OptimConfig:
+    """The run's optim group with its schema's types (run.json holds plain strings, e.g. the name)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), cfg.optim))
+
+
+def refusals(cfg: DictConfig, optim: OptimConfig) -> list[str]:
+    """Why this run cannot become a set any ORT on-device runtime trains (each names the setting)."""
+    found = []
+    if optim.name == OptimName.sgd and (optim.momentum or optim.weight_decay):
+        found.append(
+            f"optim.momentum={optim.momentum} / optim.weight_decay={optim.weight_decay}: ORT's on-device SGD "
+            "(SGDOptimizerV2) has neither; only AdamW and plain SGD train on a device. Retrain with optim=adamw, or "
+            "SGD with both at 0."
+        )
+    return found
+
+
+def example_batch(data: Data, size: int) -> tuple[Inputs, torch.Tensor]:
+    """The first `size` samples of the validation split (no augmentation: the same batch at every export), else of
+    the training split, collated as their loader would."""
+    for loader in (data.val, data.train):
+        dataset = getattr(loader, "dataset", None)
+        if dataset is not None and hasattr(dataset, "__len__") and len(dataset) >= size:
+            return split_batch(loader.collate_fn([dataset[i] for i in range(size)]))
+    raise ConfigError(f"--batch-size {size}: neither split of the run's data has {size} samples; give a smaller one.")
+
+
+def _prepare_out(out: Path) -> None:
+    """An empty folder, or one holding an earlier export (replaced); anything else is refused."""
+    if out.exists() and any(out.iterdir()):
+        if not (out / MANIFEST).is_file():
+            raise OrtflowError(f"--out {out} is not empty and holds no earlier export ({MANIFEST}); give a new folder.")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export(
+    cfg: DictConfig, model: nn.Module, data: Data, request: Request, run: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Write the set for `model`'s weights (the run's `cfg` and `data`) into request.out; returns the manifest.
+
+    Raises:
+        OrtflowError: an optimizer or layer no on-device runtime has, a model the export cannot make portable, or a
+            set that fails the torch-free check (the files stay, the check's table in the message).
+    """
+    optim = typed_optim(cfg)
+    if problems := refusals(cfg, optim):
+        raise OrtflowError(" ".join(problems))
+    lr = float(request.lr if request.lr is not None else optim.lr)
+    if not lr > 0:
+        raise ConfigError(f"--lr {lr}: give a positive learning rate.")
+    batch_size = request.batch_size or int(data.train.batch_size)
+    objective = losses.build(cfg.loss)
+    grad_clip = OmegaConf.select(cfg, "trainer.grad_clip")
+    batch = example_batch(data, batch_size)
+    model = model.float().eval()
+    momenta = artifact_set.batchnorm_momenta(model)  # momentum=None refused before anything is written
+    out = request.out
+    _prepare_out(out)
+
+    shipped = artifact_set.build(model, batch, objective, optim, lr, grad_clip, out)
+    quiet = model if not shipped.dropout_nodes else artifact_set.without_dropout(model)
+    check_set = shipped
+    if shipped.dropout_nodes:
+        check_set = artifact_set.build(quiet, batch, objective, optim, lr, grad_clip, out / CHECK_FOLDER / NO_DROPOUT)
+
+    layout = layout_of(batch[0])
+    inputs, targets = batch
+    graph_targets = objective.flat_targets(targets) if shipped.loss_by_ort_block else targets
+    feeds = [t.numpy() for t in (*layout.flatten(inputs), graph_targets)]
+    example = manifest.write_example(out / manifest.EXAMPLE_FOLDER, shipped.user_inputs, feeds)
+    described, files = preprocessing.describe(cfg.data, data)
+    for name, content in files.items():
+        write_bytes_atomic(out / name, content)
+    record = _manifest(cfg, shipped, example, described, optim, lr, grad_clip, batch_size, momenta, run)
+    _write_manifest(out, record)
+    if check_set is not shipped:
+        _write_manifest(
+            check_set.folder,
+            {**record, "example_batch": {**record["example_batch"], "folder": f"../../{manifest.EXAMPLE_FOLDER}"}},
+        )
+    shutil.copyfile(torch_free.__file__, out / check.SCRIPT)
+
+    eager = reference.eager_steps(
+        quiet,
+        layout,
+        batch,
+        objective,
+        optim,
+        reference.float32_lr(shipped.learning_rate_scale, portable.RUNTIME_LR),
+        grad_clip,
+        request.steps,
+    )
+    results = out / CHECK_FOLDER
+    results.mkdir(exist_ok=True)
+    device = check.run_without_torch(out, check_set.folder, request.steps, results / "dropout_off.json")
+    dropout_on = None
+    if shipped.dropout_nodes:
+        dropout_on = check.run_without_torch(out, out, 1, results / "dropout_on.json")
+    verdict = check.compare(device, eager, record["parameters"]["tensors"], dropout_on, shipped.dropout_nodes)
+    record["check"] = {
+        "steps": request.steps,
+        "lr": lr,
+        "passed": not verdict.failures,
+        "failures": verdict.failures,
+        "table": verdict.table().splitlines(),
+        "losses_without_torch": device.losses,
+        "eval_loss_without_torch": device.eval_loss,
+        "losses_eager": eager.losses,
+        "set": str(check_set.folder.relative_to(out)) if check_set is not shipped else ".",
+        "tolerances": {
+            "loss": check.TOLERANCE,
+            "parameters": check.PARAMETER_TOLERANCE,
+            "batchnorm": check.BATCHNORM_TOLERANCE,
+        },
+    }
+    _write_manifest(out, record)
+    log.info("device export %s, check without torch:\n%s", out, verdict.table())
+    if verdict.failures:
+        raise OrtflowError(
+            f"the set exported to {out} does not train as eager PyTorch does without torch: "
+            + "; ".join(verdict.failures)
+            + ".\n"
+            + verdict.table()
+        )
+    if request.web:
+        from ortflow.device import web
+
+        web.write(out, request.ort_web)
+        record["web"] = web.describe()
+        _write_manifest(out, record)
+    return record
+
+
+def _write_manifest(folder: Path, record: dict[str, Any]) -> None:
+    write_bytes_atomic(folder / MANIFEST, json_text(record, indent=2).encode())
+
+
+def _manifest(
+    cfg: DictConfig,
+    shipped: artifact_set.ArtifactSet,
+    example: list[dict[str, Any]],
+    described: dict[str, Any],
+    optim: OptimConfig,
+    lr: float,
+    grad_clip: float | None,
+    batch_size: int,
+    momenta: dict[str, float],
+    run: dict[str, Any] | None,
+) -> dict[str, Any]:
+    import onnx
+    import onnxruntime
+
+    folder = shipped.folder
+    models = {key: onnx.load(str(folder / file)) for key, file in artifact_set.FILES.items() if key != "checkpoint"}
+    training, evaluation = models["training_model"], models["eval_model"]
+    return {
+        "format": manifest.FORMAT,
+        "ortflow": importlib.metadata.version("ortflow"),
+        "onnxruntime": onnxruntime.__version__,
+        "opset": next(o.version for o in training.opset_import if o.domain in ("", "ai.onnx")),
+        "domains": {key: graphs.domains(model) for key, model in models.items()},
+        "files": dict(artifact_set.FILES),
+        "batch_size": batch_size,
+        "inputs": {
+            "training": manifest.io_spec(training.graph.input, shipped.user_inputs),
+            "eval": manifest.io_spec(evaluation.graph.input, shipped.user_inputs),
+        },
+        "outputs": {
+            "training": manifest.io_spec(training.graph.output)[:1],
+            "eval": manifest.io_spec(evaluation.graph.output),
+        },
+        "example_batch": {"folder": manifest.EXAMPLE_FOLDER, "format": "raw little-endian, C order", "inputs": example},
+        "preprocessing": described,
+        "loss": {
+            "config": OmegaConf.to_container(cfg.loss, resolve=True, enum_to_str=True),
+            "in_graph": "ORT's loss block on the model's output (targets flattened)"
+            if shipped.loss_by_ort_block
+            else "exported with the model",
+            "reduction": "mean",
+        },
+        "optimizer": manifest.optimizer(optim, grad_clip),
+        "learning_rate": manifest.learning_rate(lr, float(optim.lr), shipped.learning_rate_scale),
+        "parameters": manifest.parameters(shipped),
+        "batchnorm": manifest.batchnorm(momenta),
+        "dropout": {"nodes": shipped.dropout_nodes, "by": "ORT's Dropout op in the training graph (no mask inputs)"},
+        "run": run or {},
+        "differences": manifest.differences(cfg, lr, batch_size, shipped.dropout_nodes, bool(momenta)),
+        "portable_settings": {"accel": "artifacts", **portable.ENGINE_SETTINGS, "precision": portable.PRECISION},
+    }
+
+
+def load_manifest(folder: Path) -> dict[str, Any]:
+    """An export's manifest.json.
+
+    Raises:
+        OrtflowError: the folder holds no export.
+    """
+    path = folder / MANIFEST if folder.is_dir() else folder
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise OrtflowError(
+            f"'{path}' is not an exported set's manifest ({err}); give the folder --out wrote."
+        ) from None
+    if record.get("format") != manifest.FORMAT:
+        raise OrtflowError(f"'{path}' is not an ortflow device manifest (format {record.get('format')!r}).")
+    return record

@@ -1,0 +1,130 @@
+"""What a device export checks and changes in the artifacts engine's ONNX files.
+
+- `scale_learning_rate`: the optimizer model multiplies its `learning_rate` input by a constant, so that a runtime
+  left at its default rate (portable.RUNTIME_LR) trains at the run's rate.
+- `portability_problems`: a node a device cannot run (an org.pytorch.aten node: torch's kernel inside ORT), or a
+  training input the device cannot feed (a dropout mask the host would draw).
+- `dropout_nodes`, `batchnorm_nodes`: what the manifest says about the graph.
+- `batchnorm_momentum_in_graph`: BatchNorm's running statistics updated by ORT's own kernel inside the graph, with
+  torch's momentum. The artifacts engine's fast target exports momentum 0 and applies torch's update on the host;
+  a portable export carries the momentum itself, and then this finds nothing to change.
+"""
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+TORCH_DOMAIN = "org.pytorch.aten"
+LR_INPUT = "learning_rate"
+LR_SCALE = "ortflow.learning_rate_scale"  # the constant's initializer in optimizer_model.onnx
+OPTIMIZER_OPS = ("AdamWOptimizer", "SGDOptimizerV2")
+BATCHNORM_OPS = ("BatchNormalization", "BatchNormInternal")
+LAZY_RESET_GRAD = "lazy_reset_grad"  # ORT's own training input (whether to zero the gradient buffers first)
+GRAD_BUFFER = "_grad.accumulation.buffer"  # ORT's gradient buffers: training inputs the runtime feeds itself
+
+
+def scale_learning_rate(model: onnx.ModelProto, scale: float) -> int:
+    """Feed the optimizer op `learning_rate * scale` instead of `learning_rate` (a float32 constant). Returns the
+    number of optimizer ops changed (0: the model was scaled already or holds no known optimizer op).
+
+    Raises:
+        ValueError: the model has no `learning_rate` input.
+    """
+    graph = model.graph
+    if LR_INPUT not in {i.name for i in graph.input}:
+        raise ValueError(f"the optimizer model has no '{LR_INPUT}' input")
+    if any(init.name == LR_SCALE for init in graph.initializer):
+        return 0
+    scaled = LR_INPUT + ".scaled"
+    changed = 0
+    for node in graph.node:
+        if node.op_type in OPTIMIZER_OPS and node.input and node.input[0] == LR_INPUT:
+            node.input[0] = scaled
+            changed += 1
+    if changed:
+        graph.initializer.append(numpy_helper.from_array(np.array([scale], np.float32), LR_SCALE))
+        graph.node.insert(0, helper.make_node("Mul", [LR_INPUT, LR_SCALE], [scaled], name="ortflow_scale_lr"))
+    return changed
+
+
+def learning_rate_scale(model: onnx.ModelProto) -> float | None:
+    """The constant `scale_learning_rate` put in, or None."""
+    for init in model.graph.initializer:
+        if init.name == LR_SCALE:
+            return float(numpy_helper.to_array(init).reshape(-1)[0])
+    return None
+
+
+def domains(model: onnx.ModelProto) -> list[str]:
+    """The op domains the graph's nodes use ('' is ONNX's own)."""
+    return sorted({node.domain for node in model.graph.node})
+
+
+def portability_problems(name: str, model: onnx.ModelProto, allowed_inputs: set[str] | None) -> list[str]:
+    """Why the file `name` cannot train on a device: torch-kernel nodes, inputs a device cannot feed (checked when
+    `allowed_inputs` is given)."""
+    found = []
+    torch_ops = sorted({_aten_name(n) for n in model.graph.node if n.domain == TORCH_DOMAIN})
+    if torch_ops:
+        found.append(f"{name} holds {len(torch_ops)} kind(s) of org.pytorch.aten node ({', '.join(torch_ops[:4])})")
+    if allowed_inputs is None:
+        return found
+    initializers = {i.name for i in model.graph.initializer}
+    extra = [i.name for i in model.graph.input if i.name not in allowed_inputs and i.name not in initializers]
+    if extra:
+        found.append(f"{name} takes inputs a device cannot feed ({', '.join(extra[:4])})")
+    return found
+
+
+def _aten_name(node: onnx.NodeProto) -> str:
+    """An ATen node's torch operator (its `operator` attribute), else its op type."""
+    for attribute in node.attribute:
+        if attribute.name == "operator":
+            return attribute.s.decode()
+    return node.op_type
+
+
+def dropout_nodes(model: onnx.ModelProto) -> int:
+    return sum(1 for node in model.graph.node if node.op_type == "Dropout")
+
+
+def batchnorm_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The training-mode BatchNorm nodes (ONNX's, or ORT's BatchNormInternal in a training graph)."""
+    found = []
+    for node in model.graph.node:
+        if node.op_type not in BATCHNORM_OPS:
+            continue
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attributes.get("training_mode", 0) == 1:
+            found.append(node)
+    return found
+
+
+def onnx_momentum(node: onnx.NodeProto) -> float:
+    """ONNX's momentum: running = momentum * running + (1 - momentum) * batch (torch's momentum is 1 - this)."""
+    for attribute in node.attribute:
+        if attribute.name == "momentum":
+            return float(attribute.f)
+    return 0.9  # ONNX's default
+
+
+def batchnorm_momentum_in_graph(model: onnx.ModelProto, torch_momentum: dict[str, float]) -> int:
+    """Give every training-mode BatchNorm node whose running mean is `<name>.running_mean` ONNX's momentum
+    1 - torch_momentum[name], where the graph holds 0 (the fast target's host update). Returns how many changed.
+
+    Raises:
+        ValueError: a BatchNorm node's running mean is not one of `torch_momentum`'s.
+    """
+    changed = 0
+    for node in batchnorm_nodes(model):
+        running_mean = node.input[3]
+        module = running_mean.removesuffix(".running_mean")
+        if module not in torch_momentum:
+            raise ValueError(f"BatchNorm node {node.name} reads running statistics '{running_mean}' of no known layer")
+        wanted = 1.0 - torch_momentum[module]
+        if onnx_momentum(node) == 0.0 and wanted != 0.0:
+            kept = [a for a in node.attribute if a.name != "momentum"]
+            del node.attribute[:]
+            node.attribute.extend([*kept, helper.make_attribute("momentum", wanted)])
+            changed += 1
+    return changed

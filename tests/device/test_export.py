@@ -1,0 +1,233 @@
+"""Exports of trained runs checked where torch is absent and in headless Chromium (onnxruntime-web 1.19.2's
+training build), the way back to a torch state_dict, BatchNorm's statistics on a device, and every engine and
+precision's run exported. Run by `make test-device` (conftest.py)."""
+
+import base64
+import html
+import json
+import re
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import ortflow
+from ortflow.cli import export_artifacts, import_artifacts
+from ortflow.device import export, graphs, reference, serve, web
+from ortflow.run.reload import rebuild
+from ortflow.step import loss as losses
+from ortflow.step.batch import layout_of
+from tests.conftest import TINY
+from tests.device.conftest import BROWSER, require
+
+pytestmark = pytest.mark.device
+
+LR = 3e-3  # not the runtimes' 1e-3: the set must carry it
+RECIPES = {
+    "transformer": ["+recipe=transformer", *TINY, "trainer.max_steps=3", "trainer.eval_every=0"],
+    "vision": [
+        "+recipe=vision",
+        "model.width=8",
+        "data.image_size=16",
+        "data.train_images=128",
+        "data.val_images=32",
+        "data.batch_size=16",
+        "trainer.max_steps=3",
+        "trainer.eval_every=0",
+        "scheduler.warmup_steps=1",
+        "logger.progress=false",
+    ],
+}
+
+
+def _train(root: Path, name: str, *extra: str) -> Path:
+    run_dir = root / name
+    ortflow.train([*RECIPES[name.split("-")[0]], *extra, "logger.tensorboard=false"], run_dir=run_dir)
+    return run_dir
+
+
+def _export(run_dir: Path, *args: str) -> dict:
+    export_artifacts.main([str(run_dir), *args])
+    out = Path(args[args.index("--out") + 1]) if "--out" in args else run_dir / export_artifacts.FOLDER
+    return json.loads((out / export.MANIFEST).read_text())
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """Each recipe trained 3 steps (accel=none, fp32) and exported at LR, with the browser page where npm or the
+    cache gives onnxruntime-web."""
+    root = tmp_path_factory.mktemp("device")
+    web_args = ["--web"] if web.shutil.which("npm") or web._complete(web.cache_dir()) else []
+    found = {}
+    for name in RECIPES:
+        run_dir = _train(root, name)
+        found[name] = (run_dir, _export(run_dir, "--lr", str(LR), *web_args))
+    return found
+
+
+def _files(folder: Path) -> dict[str, onnx.ModelProto]:
+    return {
+        name: onnx.load(str(folder / name))
+        for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx")
+    }
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_set_is_portable_and_trains_as_eager_does_without_torch(exported, name, capsys):
+    run_dir, manifest = exported[name]
+    folder = run_dir / export_artifacts.FOLDER
+    models = _files(folder)
+    for file, model in models.items():
+        assert graphs.TORCH_DOMAIN not in graphs.domains(model), file
+    user = [i["name"] for i in manifest["inputs"]["training"]]
+    state = {t["name"] for t in manifest["parameters"]["tensors"]}
+    for value in models["training_model.onnx"].graph.input:  # no mask input: data, parameters, ORT's own
+        assert (
+            value.name in user
+            or value.name in state
+            or value.name == graphs.LAZY_RESET_GRAD
+            or value.name.endswith(graphs.GRAD_BUFFER)
+        ), value.name
+    assert graphs.learning_rate_scale(models["optimizer_model.onnx"]) == pytest.approx(LR / 1e-3)
+    assert (
+        manifest["learning_rate"]["value"] == LR
+        and manifest["batch_size"] == manifest["inputs"]["training"][0]["shape"][0]
+    )
+    check = manifest["check"]
+    assert check["passed"], check["table"]
+    assert all(
+        abs(a - b) <= 1e-5 * abs(b) for a, b in zip(check["losses_without_torch"], check["losses_eager"], strict=True)
+    )
+    assert check["losses_without_torch"][-1] < check["losses_without_torch"][0]  # it trained
+    if name == "transformer":
+        assert manifest["dropout"]["nodes"] > 0 and check["set"] == "check/no_dropout"
+        assert any(row.startswith("dropout on") for row in check["table"])
+        assert manifest["preprocessing"]["tokenizer"]["kind"] == "bytes"
+    else:
+        assert manifest["batchnorm"]["layers"] and "BIASED" in manifest["batchnorm"]["running_var"]
+        assert manifest["preprocessing"]["normalize"] == {"mean": [0.5] * 3, "std": [0.3] * 3}
+    result = json.loads((folder / "check" / "dropout_off.json").read_text())
+    assert result["forbidden_maps"] == [] and result["torch_importable"] is False
+    assert result["runtime_start_lr"] == pytest.approx(1e-3)  # the runtime's own rate; the set scales it
+
+
+def _chromium(url: str, profile: Path) -> dict:
+    command = [
+        require(BROWSER, "the browser tests drive the page in headless Chromium"),
+        "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
+        "--virtual-time-budget=120000", "--dump-dom", url,
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    found = re.search(r'<pre id="result">(.*?)</pre>', done.stdout, re.S)
+    assert found and found.group(1), f"the page wrote no result: {done.stderr[-1500:]}"
+    return json.loads(html.unescape(found.group(1)))
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_browser_trains_as_the_torch_free_path_and_its_parameters_come_back(exported, name, tmp_path):
+    require("npm", "the page's onnxruntime-web comes from npm")
+    run_dir, manifest = exported[name]
+    folder = run_dir / export_artifacts.FOLDER
+    check_set = folder / manifest["check"]["set"]
+    server = serve.make_server(folder, port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        steps = manifest["check"]["steps"]
+        url = f"http://127.0.0.1:{port}/web/index.html?autorun&dump&steps={steps}&set=../{manifest['check']['set']}"
+        page = _chromium(url, tmp_path / "profile")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert page["status"] == "done" and page["onnxruntimeWeb"] == "1.19.2", page.get("error")
+    for got, want in zip(page["losses"], manifest["check"]["losses_without_torch"], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (page["losses"], manifest["check"]["losses_without_torch"])
+    assert abs(page["evalLoss"] - manifest["check"]["eval_loss_without_torch"]) <= 1e-5 * abs(page["evalLoss"])
+
+    params = tmp_path / "parameters.bin"
+    params.write_bytes(base64.b64decode(page["parameters"]))
+    import_artifacts.main([str(params), str(run_dir), "--set", str(check_set), "--out", str(tmp_path / "device.pt")])
+    cfg, data, model, _ = rebuild(run_dir, "final")
+    model.load_state_dict(torch.load(tmp_path / "device.pt", weights_only=True))
+    model.eval()
+    inputs, targets = export.example_batch(data, manifest["batch_size"])
+    layout = layout_of(inputs)
+    with torch.no_grad():
+        eval_loss = float(losses.build(cfg.loss)(layout.call(model, layout.flatten(inputs)), targets))
+    assert abs(eval_loss - page["evalLoss"]) <= 1e-5 * abs(page["evalLoss"]), (eval_loss, page["evalLoss"])
+
+
+def test_batchnorm_statistics_on_a_device_are_torchs_with_the_biased_variance(tmp_path):
+    """The weights held (lr 1e-9: both sides normalise the same activations, so the running statistics' update is
+    all that differs): after 5 steps ORT's kernel's running means are torch's within 1e-6, its running variances
+    torch's update with the biased batch variance within 1e-6, and measurably not torch's own (unbiased) update."""
+    run_dir = _train(tmp_path, "vision")
+    manifest = _export(run_dir, "--lr", "1e-9", "--out", str(tmp_path / "set"))
+    cfg, data, model, _ = rebuild(run_dir, "final")
+    batch = export.example_batch(data, manifest["batch_size"])
+    eager = reference.eager_steps(
+        model, layout_of(batch[0]), batch, losses.build(cfg.loss), export.typed_optim(cfg),
+        reference.float32_lr(manifest["learning_rate"]["scale"], 1e-3), None, 5,
+    )  # fmt: skip
+    device = np.fromfile(tmp_path / "set" / "check" / "dropout_off.bin", dtype=np.float32)
+    means, variances, unbiased = [], [], []
+    for tensor in manifest["parameters"]["tensors"]:
+        layer, _, kind = tensor["torch_name"].rpartition(".")
+        got = device[tensor["offset"] : tensor["offset"] + int(np.prod(tensor["shape"]))]
+        if kind == "running_mean":
+            means.append(np.abs(got - eager.running_mean[layer]).max())
+            assert not np.allclose(got, model.get_submodule(layer).running_mean.numpy(), atol=1e-4)  # it moved
+        elif kind == "running_var":
+            variances.append(np.abs(got - eager.running_var_biased[layer]).max())
+            unbiased.append(np.abs(got - eager.running_var_torch[layer]).max())
+    assert len(means) == len(manifest["batchnorm"]["layers"]) == 9
+    assert max(means) <= 1e-6 and max(variances) <= 1e-6, (max(means), max(variances))
+    assert max(unbiased) > 1e-4  # torch's own (unbiased) update is not what a device keeps
+
+
+@pytest.mark.parametrize(
+    ("name", "accel", "precision"),
+    [("transformer", "ortmodule", "bf16-mixed"), ("transformer", "artifacts", "bf16-mixed"),
+     ("vision", "artifacts", "bf16-mixed"), ("vision", "ortmodule", "fp32")],
+)  # fmt: skip
+def test_runs_of_every_engine_and_precision_export(tmp_path, name, accel, precision):
+    run_dir = _train(tmp_path, name, f"accel={accel}", f"trainer.precision={precision}", "trainer.max_steps=2")
+    manifest = _export(run_dir)
+    assert manifest["check"]["passed"] and manifest["portable_settings"]["precision"] == "fp32"
+    assert any("precision" in line for line in manifest["differences"]) == (precision != "fp32")
+    for model in _files(run_dir / export_artifacts.FOLDER).values():
+        assert graphs.TORCH_DOMAIN not in graphs.domains(model)
+
+
+def test_export_device_at_the_end_of_a_run_and_the_commands_errors(tmp_path, capsys):
+    run_dir = tmp_path / "digits"
+    result = ortflow.train(
+        [
+            "+recipe=digits",
+            "trainer.max_steps=3",
+            "trainer.eval_every=0",
+            "export.device=true",
+            "logger.progress=false",
+        ],
+        run_dir=run_dir,
+    )
+    assert result.record["export_device"]["checked_without_torch"] is True
+    assert (run_dir / "device" / "manifest.json").is_file() and (
+        run_dir / "device" / "train_without_torch.py"
+    ).is_file()
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_:
+        export_artifacts.main([str(run_dir), "--out", str(tmp_path / "busy")])
+    assert exit_.value.code == 2 and "is not empty and holds no earlier export" in capsys.readouterr().err
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
+    (tmp_path / "short.bin").write_bytes(np.zeros(3, np.float32).tobytes())
+    with pytest.raises(SystemExit) as exit_:
+        import_artifacts.main([str(tmp_path / "short.bin"), str(run_dir)])
+    assert exit_.value.code == 2 and "holds 3 float32 values" in capsys.readouterr().err

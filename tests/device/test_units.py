@@ -1,0 +1,150 @@
+"""The device export's parts that need no export: the optimizer model's learning-rate scale, BatchNorm's momentum
+in the graph, refusals, the flat parameter buffer's way back, the torch-free loader, the server's headers."""
+
+import sys
+import threading
+import urllib.request
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+from torch import nn
+
+from ortflow.device import artifact_set, graphs, params, serve
+from ortflow.errors import OrtflowError
+
+
+def _optimizer_model() -> onnx.ModelProto:
+    inputs = [
+        helper.make_tensor_value_info("learning_rate", TensorProto.FLOAT, [1]),
+        helper.make_tensor_value_info("step", TensorProto.INT64, [1]),
+    ]
+    node = helper.make_node("AdamWOptimizer", ["learning_rate", "step"], ["flag"], domain="com.microsoft")
+    outputs = [helper.make_tensor_value_info("flag", TensorProto.BOOL, [1])]
+    return helper.make_model(helper.make_graph([node], "optimizer", inputs, outputs))
+
+
+def test_the_learning_rate_is_scaled_once_inside_the_optimizer_model():
+    model = _optimizer_model()
+    assert graphs.scale_learning_rate(model, 3.0) == 1
+    assert graphs.scale_learning_rate(model, 3.0) == 0  # already scaled: not twice
+    assert graphs.learning_rate_scale(model) == 3.0
+    mul = model.graph.node[0]
+    assert mul.op_type == "Mul" and list(mul.input) == ["learning_rate", graphs.LR_SCALE]
+    assert model.graph.node[1].input[0] == mul.output[0]
+    assert [i.name for i in model.graph.input] == ["learning_rate", "step"]  # what runtimes feed, unchanged
+
+
+def test_batchnorm_gets_torchs_momentum_where_the_graph_holds_zero():
+    node = helper.make_node(
+        "BatchNormInternal",
+        ["x", "w", "b", "model.bn.running_mean", "model.bn.running_var"],
+        ["y", "m", "v"],
+        domain="com.microsoft",
+        momentum=0.0,
+        training_mode=1,
+    )
+    graph = helper.make_graph([node], "g", [], [])
+    model = helper.make_model(graph)
+    assert graphs.batchnorm_momentum_in_graph(model, {"model.bn": 0.25}) == 1
+    assert graphs.onnx_momentum(model.graph.node[0]) == pytest.approx(0.75)
+    assert graphs.batchnorm_momentum_in_graph(model, {"model.bn": 0.25}) == 0  # a portable export's: left alone
+    with pytest.raises(ValueError, match="no known layer"):
+        graphs.batchnorm_momentum_in_graph(model, {"model.other": 0.1})
+
+
+def test_torch_kernels_and_mask_inputs_are_named():
+    aten = helper.make_node("ATen", ["x"], ["y"], domain=graphs.TORCH_DOMAIN, operator="upsample_bilinear2d")
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in ("x", "dropout_mask_0")]
+    model = helper.make_model(helper.make_graph([aten], "g", inputs, []))
+    problems = graphs.portability_problems("training_model.onnx", model, {"x"})
+    assert "upsample_bilinear2d" in problems[0] and "dropout_mask_0" in problems[1]
+    assert len(graphs.portability_problems("optimizer_model.onnx", model, None)) == 1  # inputs not checked
+
+
+def test_momentum_none_is_refused_naming_the_layer():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None))
+    with pytest.raises(OrtflowError, match=r"BatchNorm '1' has momentum=None"):
+        artifact_set.batchnorm_momenta(model)
+
+
+def test_dropout_is_off_in_the_copy_only():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3), nn.MultiheadAttention(4, 2, dropout=0.2))
+    quiet = artifact_set.without_dropout(model)
+    assert quiet[1].p == 0.0 and quiet[2].dropout == 0.0
+    assert model[1].p == 0.3 and model[2].dropout == 0.2
+
+
+def test_a_flat_buffer_comes_back_in_the_manifests_order(tmp_path):
+    model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
+    model[0].weight.requires_grad_(False)
+    tensors, offset, trainable = [], 0, 0
+    for name, shape, train in (
+        ("0.weight", [3, 2], False),
+        ("0.bias", [3], True),
+        ("1.weight", [3], True),
+        ("1.bias", [3], True),
+        ("1.running_mean", [3], False),
+        ("1.running_var", [3], False),
+    ):
+        tensors.append(
+            {
+                "torch_name": name,
+                "shape": shape,
+                "trainable": train,
+                "offset": offset,
+                "trainable_offset": trainable if train else None,
+            }
+        )
+        offset += int(np.prod(shape))
+        trainable += int(np.prod(shape)) if train else 0
+    manifest = {"parameters": {"count": offset, "trainable_count": trainable, "tensors": tensors}}
+    buffer = np.arange(offset, dtype=np.float32)
+    (tmp_path / "p.bin").write_bytes(buffer.tobytes())
+    back = params.into_model(params.read_buffer(tmp_path / "p.bin"), manifest, model, "p.bin")
+    assert torch.equal(back[0].weight, torch.arange(6.0).reshape(3, 2))
+    assert torch.equal(back[1].running_var, torch.arange(18.0, 21.0))
+    assert back[1].num_batches_tracked == model[1].num_batches_tracked  # kept from the run
+    only = params.into_model(np.arange(trainable, dtype=np.float32), manifest, model, "p.bin")
+    assert torch.equal(only[0].bias, torch.arange(3.0)) and torch.equal(only[0].weight, model[0].weight)
+    with pytest.raises(OrtflowError, match="holds 5 float32 values"):
+        params.into_model(np.zeros(5, np.float32), manifest, model, "p.bin")
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    with pytest.raises(OrtflowError, match="not a whole number"):
+        params.read_buffer(tmp_path / "odd.bin")
+
+
+def test_the_server_sets_the_types_and_isolation_headers(tmp_path):
+    (tmp_path / "a.wasm").write_bytes(b"\0asm")
+    (tmp_path / "b.mjs").write_text("export {}")
+    server = serve.make_server(tmp_path, port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        with urllib.request.urlopen(f"{base}/a.wasm") as wasm, urllib.request.urlopen(f"{base}/b.mjs") as mjs:
+            assert wasm.headers["Content-Type"] == "application/wasm"
+            assert mjs.headers["Content-Type"] == "text/javascript"
+            assert wasm.headers["Cross-Origin-Opener-Policy"] == "same-origin"
+            assert wasm.headers["Cross-Origin-Embedder-Policy"] == "require-corp"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_torch_free_loader_sees_no_torch(tmp_path):
+    """The loader itself, in a fresh interpreter: torch unimportable, the training package's __init__ not run."""
+    import subprocess
+
+    from ortflow.device import torch_free
+
+    code = (
+        "import sys, runpy; m = runpy.run_path(sys.argv[1]); m['load_training_api']();"
+        "import importlib; assert sys.modules['torch'] is None;"
+        "assert not hasattr(sys.modules['onnxruntime.training'], '__file__');"
+        "print(m['mapped_forbidden']())"
+    )
+    done = subprocess.run([sys.executable, "-I", "-c", code, torch_free.__file__], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
