@@ -1,7 +1,6 @@
 """One set of training artifacts for a device, made by the artifacts engine with the portable settings
 (portable.ENGINE_SETTINGS) from a model's current weights, then finished for a device: the learning rate carried in
-the optimizer model, BatchNorm's momentum in the training graph, the engine's scratch files removed, and anything a
-device cannot run refused."""
+the optimizer model, the engine's scratch files removed, and anything a device cannot run refused."""
 
 import copy
 from dataclasses import dataclass
@@ -40,7 +39,6 @@ class ArtifactSet:
     loss_by_ort_block: bool  # ORT's loss block on the model's output (targets flattened), else the loss in the graph
     parameters: list[tuple[str, list[int], bool]]  # (graph name, shape, trainable) in the flat buffer's order
     dropout_nodes: int
-    batchnorm_momentum_set: int  # BatchNorm nodes whose momentum this export put in the graph
     learning_rate_scale: float
 
 
@@ -91,7 +89,6 @@ def build(
         OrtflowError: the engine cannot export the model, or the set holds what a device cannot run.
     """
     model = copy.deepcopy(model).float()
-    momenta = batchnorm_momenta(model)
     folder.mkdir(parents=True, exist_ok=True)
     ctx = EngineContext(
         model=model,
@@ -117,9 +114,6 @@ def build(
         (folder / name).unlink(missing_ok=True)
 
     training = onnx.load(str(folder / FILES["training_model"]))
-    momentum_set = graphs.batchnorm_momentum_in_graph(training, momenta)
-    if momentum_set:
-        onnx.save(training, str(folder / FILES["training_model"]))
     scale = lr / portable.RUNTIME_LR
     optimizer = onnx.load(str(folder / FILES["optimizer_model"]))
     graphs.scale_learning_rate(optimizer, scale)
@@ -144,6 +138,4 @@ def build(
             "the exported set cannot train on a device: " + "; ".join(problems) + ". An op exported as torch's "
             "kernel has no ORT-native path for this model (upsampling is one today); export a model without it."
         )
-    return ArtifactSet(
-        folder, user_inputs, loss_by_ort_block, parameters, graphs.dropout_nodes(training), momentum_set, scale
-    )
+    return ArtifactSet(folder, user_inputs, loss_by_ort_block, parameters, graphs.dropout_nodes(training), scale)

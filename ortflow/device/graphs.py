@@ -4,10 +4,7 @@
   left at its default rate (portable.RUNTIME_LR) trains at the run's rate.
 - `portability_problems`: a node a device cannot run (an org.pytorch.aten node: torch's kernel inside ORT), or a
   training input the device cannot feed (a dropout mask the host would draw).
-- `dropout_nodes`, `batchnorm_nodes`: what the manifest says about the graph.
-- `batchnorm_momentum_in_graph`: BatchNorm's running statistics updated by ORT's own kernel inside the graph, with
-  torch's momentum. The artifacts engine's fast target exports momentum 0 and applies torch's update on the host;
-  a portable export carries the momentum itself, and then this finds nothing to change.
+- `dropout_nodes`: what the manifest says about the graph.
 """
 
 import numpy as np
@@ -18,7 +15,6 @@ TORCH_DOMAIN = "org.pytorch.aten"
 LR_INPUT = "learning_rate"
 LR_SCALE = "ortflow.learning_rate_scale"  # the constant's initializer in optimizer_model.onnx
 OPTIMIZER_OPS = ("AdamWOptimizer", "SGDOptimizerV2")
-BATCHNORM_OPS = ("BatchNormalization", "BatchNormInternal")
 LAZY_RESET_GRAD = "lazy_reset_grad"  # ORT's own training input (whether to zero the gradient buffers first)
 GRAD_BUFFER = "_grad.accumulation.buffer"  # ORT's gradient buffers: training inputs the runtime feeds itself
 
@@ -86,45 +82,3 @@ def _aten_name(node: onnx.NodeProto) -> str:
 
 def dropout_nodes(model: onnx.ModelProto) -> int:
     return sum(1 for node in model.graph.node if node.op_type == "Dropout")
-
-
-def batchnorm_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """The training-mode BatchNorm nodes (ONNX's, or ORT's BatchNormInternal in a training graph)."""
-    found = []
-    for node in model.graph.node:
-        if node.op_type not in BATCHNORM_OPS:
-            continue
-        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if attributes.get("training_mode", 0) == 1:
-            found.append(node)
-    return found
-
-
-def onnx_momentum(node: onnx.NodeProto) -> float:
-    """ONNX's momentum: running = momentum * running + (1 - momentum) * batch (torch's momentum is 1 - this)."""
-    for attribute in node.attribute:
-        if attribute.name == "momentum":
-            return float(attribute.f)
-    return 0.9  # ONNX's default
-
-
-def batchnorm_momentum_in_graph(model: onnx.ModelProto, torch_momentum: dict[str, float]) -> int:
-    """Give every training-mode BatchNorm node whose running mean is `<name>.running_mean` ONNX's momentum
-    1 - torch_momentum[name], where the graph holds 0 (the fast target's host update). Returns how many changed.
-
-    Raises:
-        ValueError: a BatchNorm node's running mean is not one of `torch_momentum`'s.
-    """
-    changed = 0
-    for node in batchnorm_nodes(model):
-        running_mean = node.input[3]
-        module = running_mean.removesuffix(".running_mean")
-        if module not in torch_momentum:
-            raise ValueError(f"BatchNorm node {node.name} reads running statistics '{running_mean}' of no known layer")
-        wanted = 1.0 - torch_momentum[module]
-        if onnx_momentum(node) == 0.0 and wanted != 0.0:
-            kept = [a for a in node.attribute if a.name != "momentum"]
-            del node.attribute[:]
-            node.attribute.extend([*kept, helper.make_attribute("momentum", wanted)])
-            changed += 1
-    return changed

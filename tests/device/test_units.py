@@ -37,24 +37,6 @@ def test_the_learning_rate_is_scaled_once_inside_the_optimizer_model():
     assert [i.name for i in model.graph.input] == ["learning_rate", "step"]  # what runtimes feed, unchanged
 
 
-def test_batchnorm_gets_torchs_momentum_where_the_graph_holds_zero():
-    node = helper.make_node(
-        "BatchNormInternal",
-        ["x", "w", "b", "model.bn.running_mean", "model.bn.running_var"],
-        ["y", "m", "v"],
-        domain="com.microsoft",
-        momentum=0.0,
-        training_mode=1,
-    )
-    graph = helper.make_graph([node], "g", [], [])
-    model = helper.make_model(graph)
-    assert graphs.batchnorm_momentum_in_graph(model, {"model.bn": 0.25}) == 1
-    assert graphs.onnx_momentum(model.graph.node[0]) == pytest.approx(0.75)
-    assert graphs.batchnorm_momentum_in_graph(model, {"model.bn": 0.25}) == 0  # a portable export's: left alone
-    with pytest.raises(ValueError, match="no known layer"):
-        graphs.batchnorm_momentum_in_graph(model, {"model.other": 0.1})
-
-
 def test_torch_kernels_and_mask_inputs_are_named():
     aten = helper.make_node("ATen", ["x"], ["y"], domain=graphs.TORCH_DOMAIN, operator="upsample_bilinear2d")
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in ("x", "dropout_mask_0")]
