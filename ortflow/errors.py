@@ -2,8 +2,13 @@
 
 Every problem a user can cause and fix is an `OrtflowError`, or one of its subclasses naming what it is about; the
 CLI prints its message as one paragraph and exits with status 2, the Python API raises it. Internal bugs are never
-wrapped in these types, so they keep their traceback.
+wrapped in these types, so they keep their traceback: `origin` tells them apart from what a library or the user's
+own code raised, by where they were raised.
 """
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
 
 
 class OrtflowError(Exception):
@@ -58,3 +63,49 @@ def is_allocation_failure(err: BaseException) -> bool:
         isinstance(err, RuntimeError)
         and any(m in text for m in ("DefaultCPUAllocator", "can't allocate memory", "Failed to allocate memory"))
     )
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an exception was raised: the innermost frame of the first exception in its chain."""
+
+    kind: str  # "ortflow" (the package, or its Hydra plugins), "library" (an installed package, the stdlib), "user"
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+_PACKAGE = Path(__file__).resolve().parent  # ortflow/
+_PLUGINS = _PACKAGE.parent / "hydra_plugins"
+_LIBRARIES = tuple(
+    Path(p).resolve() for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
+
+
+def _first_raised(err: BaseException) -> BaseException:
+    """The deepest exception of a chain (a wrapper's cause, or what it was raised while handling)."""
+    seen = {id(err)}
+    while (inner := err.__cause__ or err.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        err = inner
+    return err
+
+
+def origin(err: BaseException) -> Origin:
+    """Where `err` comes from, for telling ortflow's own bugs from what a library or the user's code raised. An
+    exception a C extension raises has its caller's frame as its innermost one."""
+    tb = _first_raised(err).__traceback__
+    if tb is None:
+        return Origin("library", "?", 0)
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = Path(tb.tb_frame.f_code.co_filename).resolve()
+    if path.is_relative_to(_PACKAGE) or (path.is_relative_to(_PLUGINS) and "ortflow" in path.parts[-2]):
+        kind = "ortflow"
+    elif any(path.is_relative_to(root) for root in _LIBRARIES) or not path.is_file():
+        kind = "library"
+    else:
+        kind = "user"
+    return Origin(kind, str(path), tb.tb_lineno)

@@ -112,8 +112,8 @@ def _cannot_train(what: str, by: str = "ORT's training API", model: nn.Module | 
             raise refused from None
         if (failure := as_write_failure(err, "the run dir's onnx/ folder")) is not None:
             raise failure from err  # the model is fine: the disk is full
-        if isinstance(err, OSError):
-            raise
+        if isinstance(err, OSError) or not failures.is_model_limit(err):
+            raise  # ortflow's own bug, or the user's code: the traceback says where
         raise OrtflowError(failures.paragraph(err, NAME, f"{what} ({by})", model, INSTEAD)) from err
 
 

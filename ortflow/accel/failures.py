@@ -1,6 +1,10 @@
 """An ORT engine's failure as one paragraph: what failed (the ONNX op and the module of the user's model that
 produced it), why (ORT's or torch's own reason, without its source locations), and what works instead.
 
+Only for what ORT or torch's exporter cannot do with the model (`is_model_limit`): a known message of theirs, or an
+exception raised inside them. An exception raised in ortflow's own code is ortflow's bug and keeps its traceback
+(the command says so and exits with 1), whatever its type; one raised in the user's own code keeps it too.
+
 ORT's exceptions embed C++ signatures, whole Python tracebacks and graph node names; the node names carry the
 exporter's module scopes (`/layer1/layer1.0/conv1/Conv`, `/_original_module/model/b/ATen_Grad/ATen_0`), which map
 back to the user's `named_modules()`. Both engines wrap their export, graph build and steps with `explained`.
@@ -13,7 +17,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from ortflow.accel.graph.plan import GraphPlan, NoPortablePath, refusal_in
-from ortflow.errors import ModelError, OrtflowError, is_allocation_failure, root_reason
+from ortflow.errors import ModelError, OrtflowError, is_allocation_failure, origin, root_reason
 
 # ORT's and torch's messages that name the failing op and node (op, node)
 _PATTERNS = (
@@ -23,6 +27,18 @@ _PATTERNS = (
     re.compile(r"Exporting the operator '?(?P<op>[\w:.]+)'? to ONNX"),
     re.compile(r"ONNX export of operator (?P<op>[\w:.]+)"),
     re.compile(r"[Nn]ode \(?(?P<node>/[^\s)'\"]+)\)?"),
+)
+# What ORT and torch's exporter say when they cannot handle a model: their limits, not ortflow's bugs.
+_KNOWN_LIMITS = re.compile(
+    r"\[ONNXRuntimeError\]|Status Message:|gradient builder has not been registered|Could not find an implementation"
+    r"|Exporting the operator|ONNX export of operator|Unsupported: ONNX|could not create a primitive"
+    r"|ShapeInferenceError|type inference failed|is not supported|ORTModule does not support"
+)
+# A Python exception inside an ATen node (an ortflow operator's Python code that torch runs inside ORT's graph): ORT
+# keeps only its text. Torch's own kernels raise RuntimeError.
+_PYTHON_ERROR_IN_ORT = re.compile(
+    r"Status Message: (TypeError|AttributeError|NameError|KeyError|IndexError|UnboundLocalError|AssertionError"
+    r"|ValueError|ZeroDivisionError|RecursionError|ImportError)\b"
 )
 _WRAPPERS = ("_original_module", "model")  # ORTModule's and ortflow's wrappers around the user's model
 NO_GRADIENT_DOC = "docs/ort-gradients.md"
@@ -98,6 +114,15 @@ def no_portable_path(
     )
 
 
+def is_model_limit(err: BaseException) -> bool:
+    """Whether `err` says what ORT or torch's exporter cannot do with the model (a known message of theirs, or raised
+    inside them), rather than a bug of ortflow's or an error of the user's own code."""
+    text = _all_text(err)
+    if _PYTHON_ERROR_IN_ORT.search(text):
+        return False
+    return bool(_KNOWN_LIMITS.search(text)) or origin(err).kind == "library"
+
+
 def _all_text(err: BaseException) -> str:
     parts = []
     seen: set[int] = set()
@@ -153,6 +178,6 @@ def explained(engine: str, stage: str, model: nn.Module | None, instead: str) ->
     except (RuntimeError, ValueError, AssertionError, TypeError, NotImplementedError, NoPortablePath) as err:
         if (refused := no_portable_path(err, engine, model)) is not None:
             raise refused from None
-        if is_allocation_failure(err):
+        if is_allocation_failure(err) or not is_model_limit(err):
             raise
         raise OrtflowError(paragraph(err, engine, stage, model, instead)) from err

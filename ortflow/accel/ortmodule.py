@@ -190,8 +190,8 @@ class ORTModuleEngine:
         ) as err:
             if (refused := failures.no_portable_path(err, NAME, self.user_model, self.plan)) is not None:
                 raise refused from None
-            if isinstance(err, OrtflowError) or is_allocation_failure(err):
-                raise
+            if isinstance(err, OrtflowError) or is_allocation_failure(err) or not failures.is_model_limit(err):
+                raise  # ortflow's own bug, or the user's code: the traceback says where
             stage = f"export, build and run its first {mode} step" if first else f"run a {mode} step"
             instead = (
                 "Set accel.fallback=warn to let PyTorch run it instead (recorded as executed_by=pytorch), or use "

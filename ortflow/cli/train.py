@@ -1,8 +1,10 @@
 """`ortflow ...`: Hydra composes the config; runner.train does the work.
 
-Single run: a user error prints one paragraph and exits with status 2. Multirun: a failing job is recorded
-(run.json, the sweep summary) and the sweep goes on; a job that completed in an earlier run of the same sweep
-(same sweep dir, same overrides) is skipped, so re-running an interrupted sweep finishes only what is left.
+Single run: a user error prints one paragraph and exits with status 2; any other exception (a bug in ortflow, or
+the user's own code raising) keeps its traceback, says where it was raised and exits with 1. Multirun: a failing
+job is recorded (run.json, the sweep summary) and the sweep goes on; a job that completed in an earlier run of the
+same sweep (same sweep dir, same overrides) is skipped, so re-running an interrupted sweep finishes only what is
+left.
 """
 
 import logging
@@ -12,7 +14,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 import torch
@@ -24,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record as record_er
 
 from ortflow import distributed, preflight
 from ortflow.api import register_configs
-from ortflow.errors import OrtflowError
+from ortflow.errors import OrtflowError, origin, root_reason
 from ortflow.files import read_record
 from ortflow.paths import config_dir
 from ortflow.report.summary import print_summary
@@ -52,6 +54,27 @@ def _user_error(err: OrtflowError, sweeping: bool) -> float:
         return float("nan")
     print(f"ortflow: error{_rank()}: {err}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def _unexpected(err: Exception, run_dir: Path) -> NoReturn:
+    """An exception that is no user error: its traceback, where it was raised (ortflow's own code: a bug in
+    ortflow), the run dir whose run.json records it; exit status 1."""
+    traceback.print_exc()
+    where = origin(err)
+    what = f"{type(err).__name__}: {root_reason(err) if str(err) else type(err).__name__}"
+    if where.kind == "ortflow":
+        said = f"this is a bug in ortflow, not in your model, data or config ({what}, raised in {where})"
+    elif where.kind == "user":
+        said = f"your code raised {what} (in {where})"
+    else:
+        said = f"{what} was raised inside a library ({where}); with a right model and config, a bug in ortflow"
+    print(
+        f"ortflow: {said}. The traceback above shows where; run.json in {run_dir} records the failed run. A bug in "
+        "ortflow: please report it with that traceback.",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.exit(1)
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
@@ -103,11 +126,12 @@ def _main(cfg: DictConfig) -> float:
             traceback.print_exc()
         summary()
         return _user_error(err, sweeping)
-    except Exception:
-        if not sweeping:
-            raise
-        log.exception("job %s failed", hydra_cfg.job.num)  # recorded in run.json; the sweep goes on
-        return float("nan")
+    except Exception as err:
+        if sweeping:
+            log.exception("job %s failed", hydra_cfg.job.num)  # recorded in run.json; the sweep goes on
+            return float("nan")
+        summary()
+        _unexpected(err, run_dir)
     finally:
         if lock is not None:
             lock.release()
