@@ -15,8 +15,9 @@ imports every op module: each declares its op in the plan's registry (accel/grap
 """
 
 import contextlib
+import contextvars
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import onnx
 
@@ -38,6 +39,22 @@ from ortflow.accel.graph import (  # noqa: F401  every op module: importing one 
 from ortflow.accel.graph.plan import OPS, GraphOp, GraphPlan, GraphWork, NoPortablePath, Target
 
 log = logging.getLogger(__name__)
+
+# A step of a test's own, run on the prepared graph last (`planted`): a fault planted inside what an engine executes,
+# to show that a check catches it. Never set outside the tests.
+Plant = Callable[[onnx.ModelProto, GraphPlan, GraphWork], None]
+_PLANTED: contextvars.ContextVar[Plant | None] = contextvars.ContextVar("ortflow_planted", default=None)
+
+
+@contextlib.contextmanager
+def planted(plant: Plant) -> Iterator[None]:
+    """While inside: `plant(model, plan, work)` runs on every graph the pipeline prepares, after every other step
+    (tests only: the parity check's planted bugs)."""
+    token = _PLANTED.set(plant)
+    try:
+        yield
+    finally:
+        _PLANTED.reset(token)
 
 
 def ops_in_order() -> list[GraphOp]:
@@ -70,6 +87,9 @@ def prepare(model: onnx.ModelProto, plan: GraphPlan, work: GraphWork) -> GraphWo
         # Gradients only for the differentiable inputs that depend on a trainable parameter (ORT refuses an operator
         # that returns one nobody needs), and none for a frozen weight (its bf16 copy is kept from step to step).
         aten_nodes.set_gradient_masks(model, work.trainable, work.frozen)
+    if (plant := _PLANTED.get()) is not None:
+        plant(model, plan, work)
+        torch_nodes = aten_nodes.count_all(model)
     work.fixes.update(aten_nodes.graph_fixes(torch_nodes))
     work.torch_nodes = sum(torch_nodes.values())
     if plan.target is Target.portable:
