@@ -39,6 +39,7 @@ from ortflow.config import BF16, OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.files import as_write_failure
+from ortflow.model import hooks
 from ortflow.model.probe import training_forward_probe
 from ortflow.ranges import ranged
 from ortflow.report import terminal
@@ -174,6 +175,7 @@ INSTEAD = "accel=ortmodule may train it (it runs some ops through torch); accel=
 
 def build(ctx: EngineContext, **settings: Any) -> "ArtifactsEngine":
     batchnorm.refuse_unsupported(ctx.model, NAME)
+    hooks.refuse_unrun(ctx.model, ctx.example[0], NAME)  # parameter and module hooks, state a forward changes
     return ArtifactsEngine(ctx, Settings(**settings))
 
 
