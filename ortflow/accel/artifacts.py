@@ -39,7 +39,7 @@ from ortflow.config import BF16, OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.files import as_write_failure
-from ortflow.model import hooks
+from ortflow.model import hooks, state_dict
 from ortflow.model.probe import training_forward_probe
 from ortflow.ranges import ranged
 from ortflow.report import terminal
@@ -505,7 +505,7 @@ class ArtifactsEngine:
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights ORT holds, under the torch model's state_dict names; buffers from the torch model (BatchNorm's
         running statistics included: they are kept there)."""
-        weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        weights = state_dict.copied(self.model)  # with the state_dict's metadata (module versions)
         for name in dict(self.model.named_parameters()):
             weights[name] = torch.from_numpy(np.array(self.state.parameters[_PREFIX + name].data))
         return weights

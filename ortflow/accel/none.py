@@ -13,7 +13,7 @@ from torch import nn
 
 from ortflow.accel.engine import EngineContext
 from ortflow.config import BF16, OptimConfig
-from ortflow.model import hooks
+from ortflow.model import hooks, state_dict
 from ortflow.step.batch import Inputs, Layout
 from ortflow.step.loss import EvalResult, Loss
 from ortflow.step.optim import build_torch_optimizer
@@ -126,7 +126,7 @@ class EagerEngine:
             group["lr"] = lr
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return state_dict.copied(self.model)  # with the state_dict's metadata (module versions)
 
     def optimizer_state(self) -> dict[str, Any]:
         return {"format": "torch", "state": self.optimizer.state_dict()}

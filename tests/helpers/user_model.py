@@ -159,3 +159,33 @@ class Product(nn.Module):
 def build_product(vocab_size: int, width: int) -> nn.Module:
     """A bigram model with a feature product between its embedding and its head (module `1`)."""
     return nn.Sequential(nn.Embedding(vocab_size, width), Product(), nn.Linear(width, vocab_size))
+
+
+class VersionedLinear(nn.Linear):
+    """A linear layer whose state_dict format is at version 3: its `_load_from_state_dict` refuses a state_dict
+    without that version, as torchvision's MNASNet does (a module that changed its layout converts older versions
+    there, and needs to know which one it is given)."""
+
+    _version = 3
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args) -> None:
+        version = local_metadata.get("version")
+        if version != self._version:
+            raise ValueError(f"VersionedLinear '{prefix}' needs its state_dict version {self._version}, got {version}")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+def build_versioned(num_classes: int = 10, width: int = 32) -> nn.Module:
+    """A digits MLP of VersionedLinear layers (use with data=digits)."""
+    return nn.Sequential(VersionedLinear(64, width), nn.ReLU(), VersionedLinear(width, num_classes))
+
+
+class RefusesItsWeights(nn.Linear):
+    """A linear layer that trains, then refuses every state_dict it is given (a bug in a module's loading code)."""
+
+    def _load_from_state_dict(self, *_args) -> None:
+        raise RuntimeError("this layer cannot load a state_dict")
+
+
+def build_refuses_its_weights(num_classes: int = 10) -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), RefusesItsWeights(32, num_classes))
