@@ -200,6 +200,7 @@ class _Kept:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.modules = list(model.modules())
+        self.training = [m.training for m in self.modules]  # each module's own mode (a frozen part kept in eval)
         self.attributes = [
             {k: (v, _fingerprint(v), _copy(v)) for k, v in vars(m).items() if k not in _TORCH_SLOTS}
             for m in self.modules
@@ -208,6 +209,8 @@ class _Kept:
 
     @torch.no_grad()
     def restore(self) -> None:
+        for module, training in zip(self.modules, self.training, strict=True):
+            module.training = training
         for module, kept in zip(self.modules, self.attributes, strict=True):
             for key in [k for k in vars(module) if k not in _TORCH_SLOTS and k not in kept]:
                 del module.__dict__[key]  # added by the forward
@@ -262,10 +265,11 @@ def _same_outputs(first: Any, second: Any) -> bool:
     return True
 
 
-def _checksums(model: nn.Module) -> dict[str, tuple[int, float, float]]:
-    """What changes when a parameter changes in place (through `.data` too, which leaves its version as it was)."""
+def _checksums(model: nn.Module) -> dict[str, tuple[int, str, str]]:
+    """What changes when a parameter changes in place (through `.data` too, which leaves its version as it was); as
+    strings, so that a NaN equals itself."""
     with torch.no_grad():
-        return {n: (p._version, float(p.sum()), float(p.norm())) for n, p in model.named_parameters()}
+        return {n: (p._version, str(float(p.sum())), str(float(p.norm()))) for n, p in model.named_parameters()}
 
 
 def _kept_by_engines(model: nn.Module) -> set[str]:
@@ -291,12 +295,12 @@ def _forward_hooks(modules: dict[str, nn.Module], name: str) -> str:
 def state_updates(model: nn.Module, inputs: Inputs) -> list[Finding]:
     """What two training-mode forwards of `inputs` show: gradient hooks the forward registers, parameters, buffers
     and attributes the second forward changes in place (BatchNorm's running statistics apart), and outputs that
-    differ between the two (from the same torch seed). The model's mode, buffers and attributes are restored and
+    differ between the two (from the same torch seed). Every module's mode, buffers and attributes are restored and
     torch's random state is left as it was."""
     layout = layout_of(inputs)
     tensors = tuple(t[:PROBE_SAMPLES] for t in layout.flatten(inputs))  # what a forward changes does not need more
     modules = dict(model.named_modules())
-    kept, training = _Kept(model), model.training
+    kept = _Kept(model)
     hooks = _RegisteredHooks()
     model.train()
     try:
@@ -324,7 +328,6 @@ def state_updates(model: nn.Module, inputs: Inputs) -> list[Finding]:
             found.append(Finding(Kind.stateful_forward, f"the model ({type(model).__name__})"))
         return found
     finally:
-        model.train(training)
         kept.restore()
 
 

@@ -316,14 +316,14 @@ class FirstCallCache(nn.Module):
 
 def test_the_probe_leaves_the_model_and_the_random_state_as_they_were():
     model = Counted()
-    model.eval()
+    model.net[2].eval()  # a part kept in eval mode stays so
     model.net[0].register_buffer("seen", torch.zeros(()))
     model.net[0].register_forward_hook(lambda module, _a, _o: module.seen.add_(1) and None)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     found = hooks.state_updates(model, batches()[0][0])
     assert {f.kind for f in found} == {hooks.Kind.state_update, hooks.Kind.stateful_forward}
-    assert model.steps == 0 and not model.training
+    assert model.steps == 0 and model.training and not model.net[2].training and model.net[0].training
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
     cached = FirstCallCache()
