@@ -33,6 +33,7 @@ from ortflow.config import OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.files import as_write_failure
+from ortflow.model import hooks, state_dict
 from ortflow.model.probe import training_forward_probe
 from ortflow.ranges import ranged
 from ortflow.report import terminal
@@ -121,6 +122,7 @@ INSTEAD = "accel=ortmodule may train it (it runs some ops through torch); accel=
 
 
 def build(ctx: EngineContext, **settings: Any) -> "ArtifactsEngine":
+    hooks.refuse_unrun(ctx.model, ctx.example[0], NAME)  # parameter and module hooks, state a forward changes
     return ArtifactsEngine(ctx, Settings(**settings))
 
 
@@ -464,7 +466,7 @@ class ArtifactsEngine:
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights ORT holds, under the torch model's state_dict names; buffers from the torch model (BatchNorm's
         running statistics included: they are kept there)."""
-        weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        weights = state_dict.copied(self.model)  # with the state_dict's metadata (module versions)
         for name in dict(self.model.named_parameters()):
             weights[name] = torch.from_numpy(np.array(self.state.parameters[_PREFIX + name].data))
         return weights

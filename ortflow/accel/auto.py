@@ -19,7 +19,6 @@ Engine settings given as `accel.*` (accel=auto accel.aten_conv=false) apply to w
 only one engine has applies to that one.
 """
 
-import copy
 import dataclasses
 import gc
 import hashlib
@@ -46,6 +45,7 @@ from ortflow.accel.compat import versions
 from ortflow.accel.engine import EngineContext
 from ortflow.config import AUTO, BF16, FP32
 from ortflow.errors import ConfigError, OrtflowError
+from ortflow.model import hooks
 from ortflow.ranges import ranged
 from ortflow.report import terminal
 
@@ -166,7 +166,7 @@ def probe_one(ctx: EngineContext, name: str, precision: str, settings: dict[str,
     with tempfile.TemporaryDirectory(prefix=f"ortflow-auto-{name}-") as tmp:
         trial = dataclasses.replace(
             ctx,
-            model=copy.deepcopy(ctx.model),
+            model=hooks.copy_model(ctx.model),  # with its parameters' hooks, which engines may refuse
             onnx_dir=Path(tmp),
             wrap=lambda module: module,
             reduce_loss=None,

@@ -13,6 +13,7 @@ from torch import nn
 
 from ortflow.accel.engine import EngineContext
 from ortflow.config import BF16, OptimConfig
+from ortflow.model import hooks, state_dict
 from ortflow.step.batch import Inputs, Layout
 from ortflow.step.loss import EvalResult, Loss
 from ortflow.step.optim import build_torch_optimizer
@@ -47,6 +48,7 @@ def problems(cfg: DictConfig) -> list[str]:
 
 def build(ctx: EngineContext) -> "EagerEngine":
     """The eager engine around `ctx.model` (with ctx's distributed wrappers around it)."""
+    hooks.refuse_unrun(ctx.model, ctx.example[0], NAME)  # eager PyTorch runs every hook: nothing is refused
     module = ctx.wrap(WithLoss(ctx.model, ctx.loss, ctx.layout, autocast=ctx.precision == BF16))
     return EagerEngine(module, ctx.model, ctx.loss, ctx.layout, ctx.optim, ctx.grad_clip, ctx.reduce_loss)
 
@@ -124,7 +126,7 @@ class EagerEngine:
             group["lr"] = lr
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return state_dict.copied(self.model)  # with the state_dict's metadata (module versions)
 
     def optimizer_state(self) -> dict[str, Any]:
         return {"format": "torch", "state": self.optimizer.state_dict()}

@@ -33,6 +33,7 @@ from ortflow.accel.none import EagerEngine
 from ortflow.config import BF16, DebugConfig
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, is_allocation_failure
+from ortflow.model import hooks
 from ortflow.ranges import ranged
 from ortflow.report import terminal
 from ortflow.step.batch import Inputs, Layout
@@ -104,6 +105,7 @@ def debug_options(debug: DebugConfig, onnx_dir: Path):
 
 
 def build(ctx: EngineContext, **settings: Any) -> "ORTModuleEngine":
+    hooks.refuse_unrun(ctx.model, ctx.example[0], NAME)  # module backward hooks, state a forward changes
     return ORTModuleEngine(ctx, Settings(**settings))
 
 

@@ -2,22 +2,24 @@
 and the same initial weights (dropout off): whether it trains, the losses, step-1 gradients, ORT's run proof and
 the graph fixes, and eager's own noise floor for the verdict (parity.py)."""
 
-import copy
 import itertools
 import math
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 from ortflow import accel
 from ortflow.api import register_configs
 from ortflow.check import parity
 from ortflow.config import FP32
+from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.model.probe import training_forward_probe
@@ -74,11 +76,23 @@ def _one_line(err: BaseException) -> str:
     return root_reason(err)
 
 
+def fresh_model(cfg: DictConfig, data: Data) -> nn.Module:
+    """The model as a run builds it from `cfg` (seeded first, like the data: the same initial weights every time),
+    hooks, buffers and state included, with dropout off. A copy.deepcopy of a built model would not do: it drops the
+    hooks on its parameters."""
+    return without_dropout(build_model(cfg, data))
+
+
 def try_mode(
-    mode: str, overrides: list[str], steps: int, model: nn.Module, reference: list[float] | None, grads: bool = True
+    mode: str,
+    overrides: list[str],
+    steps: int,
+    model: Callable[[DictConfig, Data], nn.Module],
+    reference: list[float] | None,
+    grads: bool = True,
 ):
-    """Train `steps` steps of a copy of `model` in `mode`; a row of the table (with `grads`, its step-1 gradients
-    under "_grads", for the caller to compare)."""
+    """Train `steps` steps of the model `model(cfg, data)` builds in `mode`; a row of the table (with `grads`, its
+    step-1 gradients under "_grads", for the caller to compare)."""
     row: dict[str, Any] = {"mode": mode}
     try:
         cfg = _compose(overrides, mode)
@@ -86,9 +100,10 @@ def try_mode(
             raise OrtflowError("; ".join(found))
         seed_everything(cfg.seed)
         data = build_data(cfg)
+        built = model(cfg, data)
         batches = list(itertools.islice(ResumableBatches(data.train), steps))
         with tempfile.TemporaryDirectory(prefix="ortflow-check-") as tmp:
-            engine = accel.build(cfg.accel, engine_context(cfg, copy.deepcopy(model), data, Path(tmp)))
+            engine = accel.build(cfg.accel, engine_context(cfg, built, data, Path(tmp)))
             losses, times = [], []
             step_one = parity.capture_step_one(engine, split_batch(batches[0])) if grads else None
             for step, batch in enumerate(batches, start=1):
@@ -115,12 +130,13 @@ def try_mode(
 
 
 def check(overrides: list[str], steps: int, modes: list[str], precisions: tuple[str, ...] = (FP32,)) -> dict[str, Any]:
-    """Build the model once (checking its contract), then try each mode on a copy of it, in each precision."""
+    """Build the model once (checking its contract), then try each mode on the same model built afresh, in each
+    precision."""
     register_configs()
     cfg = _compose(overrides, "none")
     seed_everything(cfg.seed)
     data = build_data(cfg)
-    model = without_dropout(build_model(cfg, data))
+    model = fresh_model(cfg, data)
     random = draws_random_numbers(model, split_batch(next(iter(data.train)))[0])
     rows: list[dict[str, Any]] = []
     eager: dict[str, tuple[list[float] | None, dict]] = {}  # precision -> eager's losses and step-1 gradients
@@ -128,7 +144,7 @@ def check(overrides: list[str], steps: int, modes: list[str], precisions: tuple[
         settings = [*overrides, f"trainer.precision={precision}"]
         reference = None
         for mode in ["none", *[m for m in modes if m != "none"]]:
-            row = try_mode(mode, settings, steps, model, reference) | {"precision": precision}
+            row = try_mode(mode, settings, steps, fresh_model, reference) | {"precision": precision}
             got = row.pop("_grads", None)
             if mode == "none":
                 reference = row.get("losses")
@@ -141,7 +157,8 @@ def check(overrides: list[str], steps: int, modes: list[str], precisions: tuple[
     reference_fp32, grads_fp32 = eager[FP32]
     if reference_fp32 is not None:  # eager against itself, every weight one ulp away: the noise any engine is held to
         for seed in parity.NOISE_SEEDS:
-            noisy = try_mode("none", overrides, steps, parity.perturbed(copy.deepcopy(model), seed), reference_fp32)
+            one_ulp = lambda cfg, data, seed=seed: parity.perturbed(fresh_model(cfg, data), seed)  # noqa: E731
+            noisy = try_mode("none", overrides, steps, one_ulp, reference_fp32)
             floors.append(noisy.get("max_rel_loss_diff", math.nan))
             if (got := noisy.pop("_grads", None)) is not None and grads_fp32:
                 gradient_floors.append(parity.gradient_difference(got, grads_fp32))

@@ -19,6 +19,7 @@ import torch
 
 from ortflow import files
 from ortflow.errors import CheckpointError
+from ortflow.model import state_dict
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ def digest(tree: Any) -> str:
             for key in sorted(node, key=repr):
                 h.update(repr(key).encode())
                 walk(node[key])
+            if (versions := state_dict.metadata(node)) is not None:  # a state_dict's module versions
+                h.update(b"M")
+                walk(dict(versions))
         elif isinstance(node, list | tuple):
             h.update(b"[")
             for item in node:
@@ -92,8 +96,9 @@ def write_atomic(payload: dict[str, Any], path: Path) -> None:
 def share_tied(weights: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """`weights` (a model_state_dict from any engine) with the model's tied entries (a language model's embedding and
     output layer) sharing one tensor again, so torch.save writes them once. An engine that copies weights out of its
-    runtime returns each name its own copy: the tied GPT-2 LM head is 154 MB written twice otherwise."""
-    shared = dict(weights)
+    runtime returns each name its own copy: the tied GPT-2 LM head is 154 MB written twice otherwise. The state_dict
+    metadata (module versions) is kept, the model's own when `weights` has none."""
+    shared = state_dict.with_metadata(weights, model)
     first: dict[tuple[int, torch.dtype, tuple[int, ...]], str] = {}
     for name, tensor in model.state_dict().items():
         if tensor.numel() == 0 or name not in shared:

@@ -20,6 +20,7 @@ from ortflow.accel.compat import export_warnings
 from ortflow.accel.graph import pipeline
 from ortflow.data import Data
 from ortflow.errors import OrtflowError, root_reason
+from ortflow.model import state_dict
 from ortflow.step.batch import Layout, layout_of, split_batch
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def inference_onnx(
     """Export `model` with `weights` to run_dir/model.onnx and check it against torch; the run.json record."""
     import onnxruntime
 
-    model.load_state_dict(weights)
+    model.load_state_dict(state_dict.with_metadata(weights, model))
     model.eval()
     inputs, _ = split_batch(next(iter(data.val)))
     layout = layout_of(inputs)

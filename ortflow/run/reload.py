@@ -12,6 +12,7 @@ from torch import nn
 
 from ortflow.errors import CheckpointError, ConfigError, DataError, RunDirError
 from ortflow.files import read_record
+from ortflow.model import state_dict
 
 WEIGHTS = ("best", "final")
 TEXT_BUILDER = "ortflow.data.text.build_text_data"
@@ -54,7 +55,8 @@ def rebuild(run_dir: Path, weights: str, text: Path | None = None) -> tuple[Dict
         check_tokenizer(data, run_dir)
     model = build_model(cfg, data)
     try:
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        # final.pt and best.pt written before ortflow kept the state_dict metadata: in the model's own versions
+        model.load_state_dict(state_dict.with_metadata(torch.load(path, map_location="cpu", weights_only=True), model))
     except Exception as err:  # a foreign, truncated or mismatched file
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"'{path}' cannot be loaded into the run's model ({reason}).") from None

@@ -19,6 +19,7 @@ from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
 from ortflow.errors import CheckpointError, RunDirError
 from ortflow.files import flatten, read_record, write_json_atomic
+from ortflow.model import state_dict
 from ortflow.run import checkpoint
 from ortflow.run.metadata import now, start_record
 from ortflow.run.trainer import LoopState
@@ -109,11 +110,12 @@ def load_weights(model: nn.Module, payload: dict[str, Any], path: Path, max_step
         )
     frozen = set(frozen_parameters(model)) if payload.get("frozen_base") else set()
     try:
-        result = model.load_state_dict(payload["model"], strict=not frozen)
+        # Weights without the state_dict metadata (written before ortflow kept it) are in the model's own versions.
+        result = model.load_state_dict(state_dict.with_metadata(payload["model"], model), strict=not frozen)
         if frozen and (result.unexpected_keys or set(result.missing_keys) != frozen):
             missing = sorted(set(result.missing_keys) - frozen)[:3]
             raise RuntimeError(f"\n unexpected keys {result.unexpected_keys[:3]}, missing keys {missing}")
-    except (RuntimeError, TypeError, AttributeError) as err:
+    except (RuntimeError, TypeError, AttributeError, ValueError, KeyError) as err:
         details = "; ".join(line.strip() for line in str(err).splitlines()[1:4] if line.strip()) or str(err)
         raise CheckpointError(
             f"checkpoint '{path}' does not fit this model ({details}). Use the model settings it was written with "
@@ -210,6 +212,7 @@ class RunDir:
         self.frozen_base: str | None = None
         self.frozen: set[str] = set()
         self._batches: ResumableBatches | None = None
+        self._model: nn.Module | None = None  # the torch model the engine trains: its state_dict metadata
 
     @property
     def writes(self) -> bool:
@@ -261,7 +264,7 @@ class RunDir:
             check_same_base(payload.get("frozen_base"), self.frozen_base, path)
             load_weights(model, payload, path, max_steps)
         engine = make_engine(model)
-        self._engine, self._batches = engine, batches
+        self._engine, self._batches, self._model = engine, batches, model
         self.record["stage"] = TRAINING  # from here on the dir holds a run that trained (never reused)
         self._write_record()
         if self.source is None:
@@ -304,6 +307,8 @@ class RunDir:
         if not self.writes:
             return str(path)
         assert self._engine is not None and self._batches is not None, "save() before start()"
+        assert self._model is not None
+        weights = state_dict.with_metadata(self._engine.model_state_dict(), self._model)  # module versions kept
         payload = checkpoint.seal(
             {
                 "format": checkpoint.FORMAT,
@@ -311,7 +316,7 @@ class RunDir:
                 "step": state.step,
                 "accel": self._engine.name,
                 # Frozen parameters are left out (a LoRA checkpoint holds its adapters); their fingerprint stays.
-                "model": {k: v for k, v in self._engine.model_state_dict().items() if k not in self.frozen},
+                "model": state_dict.without(weights, self.frozen),
                 "frozen_base": self.frozen_base,
                 "optimizer": self._engine.optimizer_state(),
                 "rng": checkpoint.rng_state(),
@@ -330,7 +335,7 @@ class RunDir:
     def release(self) -> None:
         """Let go of the engine once the loop is over (no `save` after it), so that its native resources (ORT
         sessions, DDP's reducer) can be freed before the process group is torn down."""
-        self._engine = self._batches = None
+        self._engine = self._batches = self._model = None
 
     def write_final(self, weights: dict[str, Any]) -> None:
         """The final weights alone, loadable with torch.load + model.load_state_dict (no ortflow needed)."""
@@ -341,6 +346,11 @@ class RunDir:
         """The weights of the best evaluation so far (by the run's objective), like final.pt; replaced atomically."""
         if self.writes:
             checkpoint.write_atomic(weights, self.checkpoints / "best.pt")
+
+    def note(self, **fields: Any) -> None:
+        """Fields of run.json's record that its next write carries, whatever the run's status then (the metrics of a
+        run that trained and failed after)."""
+        self.record |= fields
 
     def finish(self, status: str, **fields: Any) -> None:
         """Record how the run ended ("completed", "failed", "preempted") with the given fields. For a run that ends

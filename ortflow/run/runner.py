@@ -23,7 +23,7 @@ from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.data.short_batches import ShortBatches
 from ortflow.distributed import World
-from ortflow.errors import ConfigError, DataError, OrtflowError, is_allocation_failure
+from ortflow.errors import ConfigError, DataError, ModelError, OrtflowError, is_allocation_failure, root_reason
 from ortflow.files import as_write_failure, write_bytes_atomic
 from ortflow.held_signals import held
 from ortflow.model import FREEZE_KEY, OUTPUT_KEY, builder_node, select_output, sequence_first
@@ -259,6 +259,24 @@ def _debug_verbose(cfg: DictConfig) -> bool:
     return getattr(level, "value", level) in ("INFO", "VERBOSE")
 
 
+def load_trained(model: nn.Module, weights: dict[str, torch.Tensor], written: Path | None) -> None:
+    """The trained weights into the torch model (an ORT engine's copied back), for the exports and the caller.
+
+    Raises:
+        ModelError: the model's load_state_dict refused them (its own `_load_from_state_dict`), naming the file they
+            were written to first.
+    """
+    try:
+        model.load_state_dict(weights)
+    except Exception as err:
+        kept = f"They are in {written}" if written else "trainer.fast_dev_run writes no final weights"
+        raise ModelError(
+            f"the model refused its own trained weights: its load_state_dict failed ({root_reason(err)}). {kept}, "
+            "and the run's metrics in run.json. Look at the model's own code that loads a state_dict (a module's "
+            "_load_from_state_dict, a load_state_dict pre-hook)."
+        ) from err
+
+
 @dataclass
 class TrainOutcome:
     """What a finished run hands back: its final metrics (plus executed_by and run_dir), the torch model holding the
@@ -414,11 +432,12 @@ def _train(
         logger.hparams(hparams, {k: v for k, v in metrics.items() if isinstance(v, float)})
     finally:
         logger.close()
-    final = weights()
-    model.load_state_dict(final)  # the torch model holds the trained weights (an ORT engine's copied back)
-    if not cfg.trainer.fast_dev_run:
-        run.write_final(final)
     results["engine"] = execution
+    run.note(metrics=metrics, **results)  # recorded even if what follows fails
+    final = weights()
+    if not cfg.trainer.fast_dev_run:
+        run.write_final(final)  # before the load below: a model that refuses them does not lose the trained weights
+    load_trained(model, final, None if cfg.trainer.fast_dev_run else run.checkpoints / "final.pt")
     if cfg.export.onnx and world.is_main:
         results["export"] = export.inference_onnx(model, final, data, run.path, cfg.export.opset, cfg.export.tolerance)
     if cfg.export.hf and world.is_main:

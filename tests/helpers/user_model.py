@@ -89,9 +89,9 @@ class SignalAt(nn.Module):
 
         if self.moment == "export" and torch.onnx.is_in_onnx_export():
             self._send()
-        elif self.training and not torch.onnx.is_in_onnx_export():
+        elif self.moment == "train" and self.training:  # (accel=none: a counter in the forward is refused by ORT's)
             self.calls += 1
-            if self.moment == "train" and self.calls == 2:
+            if self.calls == 2:
                 self._send()
         elif not self.training and self.moment == "eval" and _inside("trainer.py", "evaluate"):
             self._send()
@@ -159,3 +159,33 @@ class Product(nn.Module):
 def build_product(vocab_size: int, width: int) -> nn.Module:
     """A bigram model with a feature product between its embedding and its head (module `1`)."""
     return nn.Sequential(nn.Embedding(vocab_size, width), Product(), nn.Linear(width, vocab_size))
+
+
+class VersionedLinear(nn.Linear):
+    """A linear layer whose state_dict format is at version 3: its `_load_from_state_dict` refuses a state_dict
+    without that version, as torchvision's MNASNet does (a module that changed its layout converts older versions
+    there, and needs to know which one it is given)."""
+
+    _version = 3
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args) -> None:
+        version = local_metadata.get("version")
+        if version != self._version:
+            raise ValueError(f"VersionedLinear '{prefix}' needs its state_dict version {self._version}, got {version}")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+def build_versioned(num_classes: int = 10, width: int = 32) -> nn.Module:
+    """A digits MLP of VersionedLinear layers (use with data=digits)."""
+    return nn.Sequential(VersionedLinear(64, width), nn.ReLU(), VersionedLinear(width, num_classes))
+
+
+class RefusesItsWeights(nn.Linear):
+    """A linear layer that trains, then refuses every state_dict it is given (a bug in a module's loading code)."""
+
+    def _load_from_state_dict(self, *_args) -> None:
+        raise RuntimeError("this layer cannot load a state_dict")
+
+
+def build_refuses_its_weights(num_classes: int = 10) -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), RefusesItsWeights(32, num_classes))

@@ -376,3 +376,15 @@ def mean_abs_error(output: torch.Tensor, targets: torch.Tensor, scale: float = 1
 def a_number(output: torch.Tensor, targets: torch.Tensor) -> int:
     """Not a loss: returns a Python int."""
     return 1
+
+
+def _no_gradient(grad: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(grad)
+
+
+def gradient_masked(num_classes: int = 10) -> nn.Module:
+    """The digits MLP whose first layer's weight has a hook returning a zero gradient (gradient masking, a way to
+    freeze or prune): eager PyTorch and ORTModule keep that weight where it started."""
+    model = mlp(num_classes)
+    model[0].weight.register_hook(_no_gradient)
+    return model
