@@ -7,6 +7,10 @@ An engine module provides:
     Settings  (optional) the dataclass schema of those keys, registered as `schema/accel/<NAME>`,
     problems  (optional) `problems(cfg) -> list[str]`: every reason the whole config cannot run on this engine
               (optimizer, debug options, distributed wrappers, ...), each naming the key to change.
+    SIMPLICITY (optional) how much it changes of eager PyTorch's step, for ranking engines that measure equal
+              (accel=auto picks the simplest); None: it trains with another engine (accel=auto itself).
+    EXECUTED_BY (optional) what its describe()["executed_by"] says when it ran as it should (ORT's engines:
+              "onnxruntime"; accel=auto refuses a candidate that says otherwise).
 
 The runner, loop, validation and distributed code never name a mode; they go through the functions below. A new
 engine is one module plus one yaml file (found through `hydra.searchpath` when it lives outside ortflow).
@@ -23,9 +27,23 @@ from ortflow import machine
 from ortflow.accel.engine import Engine, EngineContext
 from ortflow.config import AUTO
 from ortflow.errors import OrtflowError
+from ortflow.paths import config_dir
 
 # The engines shipped with ortflow (their yaml files are conf/accel/<name>.yaml).
 BUILTIN = ("ortflow.accel.none", "ortflow.accel.ortmodule", "ortflow.accel.artifacts", "ortflow.accel.auto")
+
+
+def engines() -> dict[str, ModuleType]:
+    """The engines the config tree offers (conf/accel/*.yaml, by the module each `_target_` names) that train a model
+    themselves, simplest first: the one list accel=auto's candidates, ortflow-check's rows and ortflow-bench's modes
+    come from."""
+    found = {}
+    for path in sorted((config_dir() / "accel").glob("*.yaml")):
+        target = OmegaConf.load(path).get("_target_")
+        module = importlib.import_module(str(target).rpartition(".")[0])
+        if getattr(module, "SIMPLICITY", None) is not None:
+            found[module.NAME] = module
+    return dict(sorted(found.items(), key=lambda item: item[1].SIMPLICITY))
 
 
 def engine_module(accel: DictConfig) -> ModuleType:
@@ -83,7 +101,7 @@ def build(accel: DictConfig, ctx: EngineContext) -> Engine:
     builder = getattr(module, accel._target_.rpartition(".")[2])
     if ctx.precision == AUTO and module.NAME != "auto":
         auto = importlib.import_module("ortflow.accel.auto")
-        if module.NAME in auto.ENGINES:
+        if module.NAME in engines():
             return auto.with_precision_probe(module.NAME, ctx, settings_of(accel))
         ctx = dataclasses.replace(ctx, precision=machine.resolve_precision(AUTO))
     return builder(ctx, **settings_of(accel))

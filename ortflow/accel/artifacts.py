@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 NAME = "artifacts"
 TITLE = "ONNX Runtime training API (export -> generate_artifacts)"  # the run header's "what executes it"
+SIMPLICITY = 2  # ORT runs the whole step (accel=auto picks the simplest of equals)
+EXECUTED_BY = "onnxruntime"  # describe()["executed_by"] when it ran as it should
 MIN_OPSET = 14  # the lowest opset ORT's training graphs (SoftmaxCrossEntropyLoss, LayerNormalization grads) build at
 
 

@@ -1,27 +1,39 @@
-"""`accel=auto`: time a few training steps of each engine (and each precision the CPU runs fast) on the user's own
-model and batch, pick the fastest, and train with it.
+"""`accel=auto`: time training steps of each engine (and each precision the CPU runs fast) on the user's own model and
+batch, pick the fastest, and train with it.
 
 Which engine wins depends on the CPU (whose matmuls are faster, torch's or ORT's; whether it has bf16 units) and on
 the model (its width, convolutions, normalisation layers); a user should not have to know. The probe:
-- builds every candidate engine on a copy of the model (its own ONNX files in a temporary folder), takes one untimed
-  step (export, session creation) and two untimed warm-up steps, then times `probe_steps` steps on the run's example
-  batch (the first batch of the training data, read without drawing from the loader). Its cost is bounded: one export
-  and 3 + probe_steps steps per
-  engine and precision. The random generators are restored after it: the run trains exactly as `accel=<choice>`
-  would, bit for bit;
-- prints its table and choice, records both in run.json (the engine's `auto` entry) and in every checkpoint: a
+- candidates: the engines the config tree offers (accel.engines(): conf/accel/, the list ortflow-check and
+  ortflow-bench use), those `accel.candidates` names and the config allows;
+- a first pass builds every candidate engine on a copy of the model (its own ONNX files in a temporary folder),
+  takes one untimed step (export, session creation) and two untimed warm-up steps, then times `probe_steps` steps
+  on the run's example batch (the first batch of the training data, read without drawing from the loader). A
+  candidate counts only when its loss is finite and its own record says it executed as it should (ORT's engines:
+  ORT's run counters, not a fallback to PyTorch);
+- a runoff then separates the two fastest: both built again, one step of each in turn (pairs close in time, so a
+  change of the machine's load hits both), until the 90% confidence interval of the median ratio of their paired
+  step times (the sign test's, distribution-free) excludes 1, or lies within 3% of it, or `budget_s` seconds have
+  passed. Separated, the faster one trains; otherwise they are called equal and the simpler one trains (eager, then
+  ORTModule, then the artifacts engine; fp32 before bf16-mixed). Its cost is bounded: one export and 3 +
+  `probe_steps` steps per candidate, then at most `budget_s` seconds;
+- the random generators are restored after it: the run trains exactly as `accel=<choice>` would, bit for bit;
+- it prints its table and choice, records both in run.json (the engine's `auto` entry) and in every checkpoint: a
   resumed run keeps the choice without probing again;
-- caches the result on this machine (~/.cache/ortflow/auto, keyed by what it measured: the model's structure, the
-  batch's shapes, the loss, optimizer and engine settings, the versions and the CPU), so a sweep probes once per
-  distinct model and batch shape;
+- it caches the decision on this machine (~/.cache/ortflow/auto, keyed by what it measured: the model's structure,
+  the batch's shapes, the loss, optimizer and engine settings, the versions (ortflow's included) and the CPU), so a
+  sweep probes once per distinct model and batch shape. A failure is never cached (the next run probes again), and
+  a cached choice that no longer builds is dropped and probed again;
 - under DDP, rank 0 probes and every rank trains with its choice.
 Engine settings given as `accel.*` (accel=auto accel.aten_conv=false) apply to whichever engine is chosen; a key
 only one engine has applies to that one.
 """
 
+import contextlib
 import dataclasses
+import functools
 import gc
 import hashlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -30,6 +42,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +52,7 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 
-from ortflow import distributed, machine
-from ortflow.accel import artifacts, none, ortmodule
+from ortflow import accel, distributed, machine
 from ortflow.accel.compat import versions
 from ortflow.accel.engine import EngineContext
 from ortflow.config import AUTO, BF16, FP32
@@ -53,8 +65,8 @@ log = logging.getLogger(__name__)
 
 NAME = "auto"
 TITLE = "the fastest engine on this model and CPU, measured before training"
-ENGINES = {module.NAME: module for module in (none, ortmodule, artifacts)}
-CACHE_FORMAT = 2
+ENGINES = accel.engines()  # simplest first
+CACHE_FORMAT = 3
 WARMUP_STEPS = 2  # untimed steps after the first: the first bf16 steps were slower than the rest (oneDNN's kernels)
 
 
@@ -74,7 +86,9 @@ def _make_settings() -> type:
         ("_target_", str, dataclasses.field(default="ortflow.accel.auto.build")),
         # The engines probed, in this order (ties keep the earlier one).
         ("candidates", list[str], dataclasses.field(default_factory=lambda: list(ENGINES))),
-        ("probe_steps", int, ranged(5, Interval(ge=1, le=100))),  # timed steps per engine and precision
+        ("probe_steps", int, ranged(5, Interval(ge=1, le=100))),  # timed steps per engine and precision, first pass
+        # The runoff of the two fastest: at most this many seconds of paired steps before calling them equal
+        ("budget_s", float, ranged(60.0, Ge(0))),
         ("cache", bool, dataclasses.field(default=True)),  # reuse a probe of the same model and batch on this machine
         ("timeout_s", int, ranged(1800, Ge(1))),  # DDP: how long the other ranks wait for rank 0's probe
     ]
@@ -160,13 +174,14 @@ def _step(engine: Any, ctx: EngineContext) -> float:
     return engine.train_step(inputs, targets)
 
 
-def probe_one(ctx: EngineContext, name: str, precision: str, settings: dict[str, Any], steps: int) -> Probe:
-    """Build engine `name` on a copy of the model and time `steps` steps after an untimed first one."""
-    result = Probe(name, precision)
+@contextlib.contextmanager
+def _built(ctx: EngineContext, name: str, precision: str, settings: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+    """Engine `name` built on a copy of the model (with its parameters' hooks, which engines may refuse), its ONNX
+    files in a temporary folder; released on the way out."""
     with tempfile.TemporaryDirectory(prefix=f"ortflow-auto-{name}-") as tmp:
         trial = dataclasses.replace(
             ctx,
-            model=hooks.copy_model(ctx.model),  # with its parameters' hooks, which engines may refuse
+            model=hooks.copy_model(ctx.model),
             onnx_dir=Path(tmp),
             wrap=lambda module: module,
             reduce_loss=None,
@@ -174,31 +189,134 @@ def probe_one(ctx: EngineContext, name: str, precision: str, settings: dict[str,
         )
         engine = None
         try:
-            start = time.perf_counter()
             engine = ENGINES[name].build(trial, **_settings_for(name, settings))
-            loss = _step(engine, trial)
-            result.first_step_s = time.perf_counter() - start
-            for _ in range(WARMUP_STEPS):  # kernels picked and memory pooled for these shapes (bf16's first steps)
-                loss = _step(engine, trial)
-            times = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                loss = _step(engine, trial)
-                times.append(time.perf_counter() - start)
-            if not math.isfinite(loss):
-                raise OrtflowError(f"its loss was {loss} on the example batch")
-            result.step_ms = 1000 * statistics.median(times)
-        except (OrtflowError, RuntimeError, ValueError) as err:
-            result.error = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+            yield engine, trial
         finally:
             del engine
             gc.collect()
+
+
+def _timed(engine: Any, ctx: EngineContext) -> tuple[float, float]:
+    start = time.perf_counter()
+    loss = _step(engine, ctx)
+    return time.perf_counter() - start, loss
+
+
+def _not_as_it_should(name: str, engine: Any, loss: float) -> str | None:
+    """Why a candidate's steps do not count: a non-finite loss, or a record saying it did not execute as it should
+    (an ORT engine whose steps PyTorch ran instead)."""
+    if not math.isfinite(loss):
+        return f"its loss was {loss} on the example batch"
+    promised = getattr(ENGINES[name], "EXECUTED_BY", None)
+    said = engine.describe().get("executed_by")
+    if promised is not None and said != promised:
+        return f"its steps were executed by {said}, not {promised}"
+    return None
+
+
+def probe_one(ctx: EngineContext, name: str, precision: str, settings: dict[str, Any], steps: int) -> Probe:
+    """Build engine `name` on a copy of the model and time `steps` steps after an untimed first one and warm-up."""
+    result = Probe(name, precision)
+    try:
+        start = time.perf_counter()
+        with _built(ctx, name, precision, settings) as (engine, trial):
+            _, loss = _timed(engine, trial)
+            result.first_step_s = time.perf_counter() - start
+            for _ in range(WARMUP_STEPS):  # kernels picked and memory pooled for these shapes (bf16's first steps)
+                _step(engine, trial)
+            times = []
+            for _ in range(steps):
+                seconds, loss = _timed(engine, trial)
+                times.append(seconds)
+            if (why := _not_as_it_should(name, engine, loss)) is not None:
+                raise OrtflowError(why)
+            result.step_ms = 1000 * statistics.median(times)
+    except (OrtflowError, RuntimeError, ValueError) as err:
+        result.error = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
     return result
+
+
+CONFIDENCE = 0.9  # the runoff's confidence in which of two candidates is faster
+EQUAL_WITHIN = 1.03  # a ratio interval inside [1/1.03, 1.03]: the two are equal (3%), the simpler one trains
+MIN_PAIRS = 5  # the fewest pairs whose sign-test interval can exclude 1 at 90% (both ends the extremes)
+
+
+def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The distribution-free confidence interval of a median (the sign test's): order statistics k and n + 1 - k of
+    the n values, k the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail, k, below = (1 - confidence) / 2, 0, 0.0
+    while k < n // 2 and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:  # too few values for this confidence: no bound
+        return 0.0, math.inf
+    return ordered[k - 1], ordered[n - k]
+
+
+@dataclasses.dataclass
+class Runoff:
+    """The paired timing of the two fastest candidates of the first pass."""
+
+    faster: str  # the first pass's fastest (label)
+    other: str  # the runner-up
+    pairs: int = 0
+    ratio: float | None = None  # median of other's / faster's step time over the pairs
+    low: float | None = None  # its confidence interval (CONFIDENCE)
+    high: float | None = None
+    verdict: str = "equal"  # "separated" (one is faster at CONFIDENCE) or "equal" (within 3%, or not separated)
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def runoff(ctx: EngineContext, first: Probe, second: Probe, settings: dict[str, Any]) -> Runoff:
+    """Both candidates built again and stepped in turn (the order alternating) until the interval of their paired
+    step-time ratio excludes 1, lies within EQUAL_WITHIN of it, or settings["budget_s"] seconds have passed."""
+    result = Runoff(first.label, second.label)
+    ratios: list[float] = []
+    try:
+        with (
+            _built(ctx, first.engine, first.precision, settings) as (a, trial_a),
+            _built(ctx, second.engine, second.precision, settings) as (b, trial_b),
+        ):
+            for engine, trial in ((a, trial_a), (b, trial_b)):
+                for _ in range(1 + WARMUP_STEPS):
+                    _step(engine, trial)
+            start = time.perf_counter()
+            while True:
+                pair = [(a, trial_a), (b, trial_b)]
+                timed = [_timed(e, t) for e, t in (pair if len(ratios) % 2 == 0 else pair[::-1])]
+                (ta, loss_a), (tb, loss_b) = timed if len(ratios) % 2 == 0 else timed[::-1]
+                ratios.append(tb / ta)
+                result.seconds = time.perf_counter() - start
+                if len(ratios) >= MIN_PAIRS:
+                    low, high = median_interval(ratios)
+                    if low > 1.0 or high < 1.0:
+                        result.verdict = "separated"
+                        break
+                    if low >= 1 / EQUAL_WITHIN and high <= EQUAL_WITHIN:
+                        break
+                if result.seconds >= settings["budget_s"]:
+                    break
+            for name, engine, loss in ((first.engine, a, loss_a), (second.engine, b, loss_b)):
+                if (why := _not_as_it_should(name, engine, loss)) is not None:
+                    raise OrtflowError(f"{name}: {why}")
+    except (OrtflowError, RuntimeError, ValueError) as err:
+        result.error = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+    if ratios:
+        result.pairs, result.ratio = len(ratios), statistics.median(ratios)
+        result.low, result.high = median_interval(ratios) if len(ratios) >= MIN_PAIRS else (None, None)
+    return result
+
+
+def _simplicity(probe: Probe) -> tuple[int, int]:
+    return list(ENGINES).index(probe.engine), [FP32, BF16].index(probe.precision)
 
 
 def cache_key(ctx: EngineContext, names: list[str], precisions: list[str], settings: dict[str, Any]) -> str:
     """What the probe measured, hashed: the model's structure and parameter shapes, the batch's shapes, the loss,
-    optimizer and engine settings, the candidates and precisions, the versions and the CPU."""
+    optimizer and engine settings, the candidates and precisions, the versions (ortflow's too) and the CPU."""
     inputs, targets = ctx.example
     flat = ctx.layout.flatten(inputs)
     what = {
@@ -216,9 +334,24 @@ def cache_key(ctx: EngineContext, names: list[str], precisions: list[str], setti
         "precisions": precisions,
         "settings": {k: str(v) for k, v in sorted(settings.items()) if v is not None},
         "versions": versions.installed_versions(),
+        "ortflow": ortflow_version(),
         "machine": machine.describe(),
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+@functools.cache
+def ortflow_version() -> str:
+    """ortflow's release and a digest of its engines' code (accel/): a checkout that changed an engine probes anew."""
+    digest = hashlib.sha256()
+    root = Path(accel.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
+    try:
+        release = importlib.metadata.version("ortflow")
+    except importlib.metadata.PackageNotFoundError:
+        release = "unknown"
+    return f"{release}+{digest.hexdigest()[:12]}"
 
 
 def _describe(obj: Any) -> str:
@@ -235,35 +368,59 @@ def cache_dir() -> Path:
     return Path(root) / "ortflow" / "auto"
 
 
-def _read_cache(key: str) -> list[Probe] | None:
+def _read_cache(key: str) -> dict[str, Any] | None:
+    """A cached decision: the probes that ran (failures are never cached), the runoff, the choice."""
     try:
         record = json.loads((cache_dir() / f"{key}.json").read_text())
-        return [Probe(**probe) for probe in record["probes"]]
+        record["probes"] = [Probe(**probe) for probe in record["probes"]]
+        record["runoff"] = Runoff(**record["runoff"]) if record.get("runoff") else None
+        return record
     except (OSError, ValueError, KeyError, TypeError):
         return None  # none yet, or unreadable: probe again
 
 
-def _write_cache(key: str, probes: list[Probe]) -> None:
+def _write_cache(key: str, probes: list[Probe], run: Runoff | None) -> None:
+    ran = [dataclasses.asdict(p) for p in probes if p.step_ms is not None]
     try:
         folder = cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
         staged = folder / f".{key}.{os.getpid()}.tmp"
-        staged.write_text(json.dumps({"probes": [dataclasses.asdict(p) for p in probes]}))
+        record = {"probes": ran, "runoff": dataclasses.asdict(run) if run is not None and not run.error else None}
+        staged.write_text(json.dumps(record))
         os.replace(staged, folder / f"{key}.json")
     except OSError as err:  # a read-only home: the run goes on, the next one probes again
         log.info("accel=auto: the probe could not be cached (%s)", err)
 
 
-def choose(probes: list[Probe]) -> Probe:
-    """The fastest probe that ran (the earlier candidate on a tie)."""
-    ran = [p for p in probes if p.step_ms is not None]
+def forget(key: str) -> None:
+    """Drop a cached decision (its choice no longer builds)."""
+    (cache_dir() / f"{key}.json").unlink(missing_ok=True)
+
+
+def _ran(probes: list[Probe]) -> list[Probe]:
+    """The probes that ran, fastest first."""
+    return sorted((p for p in probes if p.step_ms is not None), key=lambda p: p.step_ms)
+
+
+def choose(probes: list[Probe], run: Runoff | None = None) -> Probe:
+    """The fastest probe that ran; where a runoff called the two fastest equal, the simpler of them.
+
+    Raises:
+        OrtflowError: no candidate ran.
+    """
+    ran = _ran(probes)
     if not ran:
         reasons = "; ".join(f"{p.label}: {p.error}" for p in probes)
         raise OrtflowError(f"accel=auto: no candidate engine could train this model ({reasons}).")
-    return min(ran, key=lambda p: p.step_ms)
+    if run is None or run.error or len(ran) < 2:
+        return ran[0]
+    first, second = ran[0], ran[1]
+    if run.verdict == "separated":
+        return first if run.ratio is not None and run.ratio > 1.0 else second
+    return min((first, second), key=_simplicity)
 
 
-def table(probes: list[Probe], chosen: Probe, cached: bool, by: str = "accel=auto") -> Table:
+def table(probes: list[Probe], chosen: Probe, cached: bool, by: str = "accel=auto", run: Runoff | None = None) -> Table:
     fastest = chosen.step_ms
     title = f"{by}: " + ("the probe of this model and batch cached on this machine" if cached else "probe")
     t = Table(title=title, title_justify="left")
@@ -276,26 +433,49 @@ def table(probes: list[Probe], chosen: Probe, cached: bool, by: str = "accel=aut
         mark = "chosen" if p is chosen else ""
         first = f"{p.first_step_s:.1f} s" if p.first_step_s is not None else "-"
         t.add_row(p.engine, p.precision, f"{p.step_ms:.1f}", f"{fastest / p.step_ms:.2f}", first, mark)
+    if run is not None:
+        t.caption = runoff_line(run)
     return t
+
+
+def runoff_line(run: Runoff) -> str:
+    if run.error:
+        return f"runoff of {run.faster} and {run.other}: failed ({run.error}); the first pass decided"
+    interval = f"[{run.low:.3f}, {run.high:.3f}]" if run.low is not None else "(too few pairs)"
+    said = "one is faster" if run.verdict == "separated" else "equal: the simpler one trains"
+    return (
+        f"runoff of {run.faster} and {run.other}: {run.pairs} paired steps in {run.seconds:.0f} s, step-time ratio "
+        f"{run.ratio:.3f}, {CONFIDENCE:.0%} interval {interval}: {said}"
+    )
 
 
 def decide(
     ctx: EngineContext, settings: dict[str, Any], names: list[str], wanted: list[str]
-) -> tuple[Probe, list[Probe], bool]:
-    """Probe engines `names` in precisions `wanted` (or read the cache) on this process: the chosen probe, every probe,
-    whether they came from the cache."""
+) -> tuple[Probe, list[Probe], bool, Runoff | None]:
+    """Probe engines `names` in precisions `wanted` (the cached probes and runoff where there are some) on this
+    process: the chosen probe, every probe, whether all came from the cache, the runoff."""
     key = cache_key(ctx, names, wanted, settings)
-    probes = _read_cache(key) if settings["cache"] else None
-    cached = probes is not None
-    if probes is None:
-        state = _rng_state()
-        try:
-            probes = [probe_one(ctx, n, p, settings, settings["probe_steps"]) for p in wanted for n in names]
-        finally:
-            _set_rng_state(state)  # the probe's steps drew nothing the run will draw
-        if settings["cache"] and any(p.step_ms is not None for p in probes):
-            _write_cache(key, probes)
-    return choose(probes), probes, cached
+    record = _read_cache(key) if settings["cache"] else None
+    known = {(p.engine, p.precision): p for p in (record["probes"] if record else [])}
+    missing = [(n, p) for p in wanted for n in names if (n, p) not in known]
+    run = record["runoff"] if record else None
+    state = _rng_state()
+    try:
+        probes = [
+            known.get((n, p)) or probe_one(ctx, n, p, settings, settings["probe_steps"]) for p in wanted for n in names
+        ]
+        ran = _ran(probes)
+        pair = {ran[0].label, ran[1].label} if len(ran) > 1 else set()
+        if run is not None and {run.faster, run.other} != pair:
+            run = None  # another pair is in front now
+        if run is None and pair and settings["budget_s"] > 0:
+            run = runoff(ctx, ran[0], ran[1], settings)
+    finally:
+        _set_rng_state(state)  # the probe's steps drew nothing the run will draw
+    cached = not missing and record is not None and (run is None or run is record["runoff"])
+    if settings["cache"] and not cached and ran:
+        _write_cache(key, probes, run)
+    return choose(probes, run), probes, cached, run
 
 
 class AutoEngine:
@@ -325,7 +505,8 @@ def build(ctx: EngineContext, **settings: Any) -> AutoEngine:
 def with_precision_probe(name: str, ctx: EngineContext, settings: dict[str, Any]) -> AutoEngine:
     """`trainer.precision=auto` with engine `name`: that engine in fp32 and, on a CPU with bf16 units, in bf16-mixed,
     measured the same way; the faster one trains."""
-    own = {f.name: f.default for f in dataclasses.fields(Settings) if f.name in ("probe_steps", "cache", "timeout_s")}
+    probe_keys = ("probe_steps", "budget_s", "cache", "timeout_s")
+    own = {f.name: f.default for f in dataclasses.fields(Settings) if f.name in probe_keys}
     return _build(ctx, {**own, **settings, "candidates": [name]}, [name], "trainer.precision=auto")
 
 
@@ -344,23 +525,38 @@ def _build(ctx: EngineContext, settings: dict[str, Any], names: list[str], by: s
     elif len(names) * len(wanted) == 1:  # nothing to choose between
         choice = {"accel": names[0], "precision": wanted[0], "probed": False}
     else:
-
-        def probe() -> dict[str, Any]:
-            chosen, found, cached = decide(ctx, settings, names, wanted)
-            terminal.console().print(table(found, chosen, cached, by))
-            terminal.console().print(
-                f"{by} chose accel={chosen.engine} with trainer.precision={chosen.precision} "
-                f"({chosen.step_ms:.1f} ms/step on the example batch)"
-            )
-            choice = {"accel": chosen.engine, "precision": chosen.precision, "cached": cached}
-            return {"choice": choice, "probes": [dataclasses.asdict(p) for p in found]}
-
-        decision = distributed.from_main(probe, settings["timeout_s"])
-        choice, probes = decision["choice"], decision["probes"]
-        log.info("%s: %s", by, json.dumps(decision))
+        choice, probes = _probed(ctx, settings, names, wanted, by)
     name, precision = choice["accel"], choice["precision"]
     try:
         engine = ENGINES[name].build(dataclasses.replace(ctx, precision=precision), **_settings_for(name, settings))
     except OrtflowError as err:
-        raise ConfigError(f"{by} chose accel={name}, which then failed to build: {err}") from err
+        if not choice.get("cached"):
+            raise ConfigError(f"{by} chose accel={name}, which then failed to build: {err}") from err
+        log.warning("%s: the cached choice accel=%s no longer builds (%s); probing again", by, name, err)
+        forget(cache_key(ctx, names, wanted, settings))
+        return _build(ctx, settings, names, by)  # probed again: a failing candidate is never chosen
     return AutoEngine(engine, {**choice, "by": by, "title": ENGINES[name].TITLE}, probes)
+
+
+def _probed(
+    ctx: EngineContext, settings: dict[str, Any], names: list[str], wanted: list[str], by: str
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The probe's choice and probes, made on rank 0 (the others wait for it)."""
+
+    def probe() -> dict[str, Any]:
+        chosen, found, cached, run = decide(ctx, settings, names, wanted)
+        terminal.console().print(table(found, chosen, cached, by, run))
+        terminal.console().print(
+            f"{by} chose accel={chosen.engine} with trainer.precision={chosen.precision} "
+            f"({chosen.step_ms:.1f} ms/step on the example batch)"
+        )
+        choice = {"accel": chosen.engine, "precision": chosen.precision, "cached": cached}
+        return {
+            "choice": choice,
+            "probes": [dataclasses.asdict(p) for p in found],
+            "runoff": dataclasses.asdict(run) if run is not None else None,
+        }
+
+    decision = distributed.from_main(probe, settings["timeout_s"])
+    log.info("%s: %s", by, json.dumps(decision))
+    return {**decision["choice"], "runoff": decision["runoff"]}, decision["probes"]

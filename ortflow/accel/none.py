@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 NAME = "none"
 TITLE = "eager PyTorch"  # the run header's "what executes it"
+SIMPLICITY = 0  # eager PyTorch: the reference (accel=auto picks the simplest of equals)
+EXECUTED_BY = "pytorch"  # describe()["executed_by"] when it ran as it should
 
 
 @dataclass

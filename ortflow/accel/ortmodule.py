@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 NAME = "ortmodule"
 TITLE = "ONNX Runtime via ORTModule"  # the run header's "what executes it"
+SIMPLICITY = 1  # ORT runs forward and backward; torch.optim the update (accel=auto picks the simplest of equals)
+EXECUTED_BY = "onnxruntime"  # describe()["executed_by"] when it ran as it should
 
 
 class Fallback(Enum):

@@ -5,12 +5,13 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from ortflow import accel
 from ortflow.config import FP32
 
 # torch.compile is a reference point, not an accel mode: the eager engine around a compiled model. Not measured by
 # default: its first step (compilation) costs 20-40 s a measurement on 2 cores at d_model 512.
-MODES = ("none", "ortmodule", "artifacts", "compile")
-DEFAULT_MODES = ("none", "ortmodule", "artifacts")
+DEFAULT_MODES = tuple(accel.engines())  # every accel mode that trains itself (conf/accel/), eager first
+MODES = (*DEFAULT_MODES, "compile")
 
 
 @dataclass(frozen=True)

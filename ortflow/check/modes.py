@@ -23,19 +23,15 @@ from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.model.probe import training_forward_probe
-from ortflow.paths import compose_config, config_dir
+from ortflow.paths import compose_config
 from ortflow.run.runner import build_data, build_model, engine_context
 from ortflow.run.seeding import seed_everything, seed_step
 from ortflow.step.batch import layout_of, split_batch
 from ortflow.validate import problems
 
-# Every accel mode the config tree offers (conf/accel/*.yaml), eager first: it is the reference. accel=auto is left
-# out: it trains with one of the others (its probe is its own comparison).
-MODES = tuple(
-    sorted(
-        (p.stem for p in (config_dir() / "accel").glob("*.yaml") if p.stem != "auto"), key=lambda m: (m != "none", m)
-    )
-)
+# Every accel mode the config tree offers that trains itself (accel.engines(): conf/accel/*.yaml), eager first: it is
+# the reference. accel=auto is left out: it trains with one of the others (its probe is its own comparison).
+MODES = tuple(accel.engines())
 
 
 def _compose(overrides: list[str], mode: str):

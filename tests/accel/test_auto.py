@@ -1,6 +1,7 @@
 """accel=auto: the probe's choice is recorded and trains exactly as that engine would, the cache spares a second
 probe, a resume keeps the choice, accel.* settings reach the chosen engine, configs exclude engines that refuse them."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,11 +9,12 @@ import pytest
 import torch
 
 from ortflow.accel import auto
-from ortflow.run.runner import train
+from ortflow.errors import OrtflowError
+from ortflow.run.runner import build_data, build_model, engine_context, train
 from tests.conftest import TINY, make_cfg
 
 LM = [*TINY, "trainer.log_every=1", "trainer.eval_every=0", "trainer.max_steps=4"]
-AUTO = ["accel=auto", "accel.probe_steps=1"]
+AUTO = ["accel=auto", "accel.probe_steps=1", "accel.budget_s=2"]
 
 
 @pytest.fixture(autouse=True)
@@ -88,3 +90,107 @@ def test_trainer_precision_auto_measures_the_engine_in_both_precisions_where_the
     monkeypatch.setattr(auto.machine, "bf16_units", lambda: False)
     record = run(tmp_path / "none", "accel=artifacts", "trainer.precision=auto")
     assert record["precision"] == "fp32" and record["engine"]["auto"]["probes"] == []  # nothing to choose: no probe
+
+
+def test_the_median_interval_is_the_sign_tests():
+    assert auto.median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)  # n = 5: the extremes (2/32 <= 0.1)
+    ten = [float(v) for v in range(10, 0, -1)]
+    assert auto.median_interval(ten) == (2.0, 9.0)  # n = 10: P(B <= 1) = 11/1024 <= 0.05 < P(B <= 2)
+    assert auto.median_interval([1.0, 2.0, 3.0, 4.0]) == (0.0, float("inf"))  # too few for 90%
+
+
+def probe(engine: str, ms: float | None, precision: str = "fp32") -> auto.Probe:
+    return auto.Probe(engine, precision, step_ms=ms, error=None if ms else "refused")
+
+
+def test_a_runoff_decides_between_the_two_fastest_and_equals_go_to_the_simpler_engine():
+    probes = [probe("none", 11.0), probe("ortmodule", 12.0), probe("artifacts", 10.0)]
+    assert auto.choose(probes).engine == "artifacts"  # no runoff: the first pass's fastest
+    separated = auto.Runoff("artifacts fp32", "none fp32", pairs=9, ratio=1.2, low=1.1, high=1.3, verdict="separated")
+    assert auto.choose(probes, separated).engine == "artifacts"
+    flipped = auto.Runoff("artifacts fp32", "none fp32", pairs=9, ratio=0.8, low=0.7, high=0.9, verdict="separated")
+    assert auto.choose(probes, flipped).engine == "none"
+    equal = auto.Runoff("artifacts fp32", "none fp32", pairs=30, ratio=1.01, low=0.99, high=1.02, verdict="equal")
+    assert auto.choose(probes, equal).engine == "none"  # eager is the simplest
+    bf16 = [probe("artifacts", 10.0, "bf16-mixed"), probe("artifacts", 10.5)]
+    assert (
+        auto.choose(bf16, dataclasses.replace(equal, faster="artifacts bf16-mixed", other="artifacts fp32")) == bf16[1]
+    )
+
+
+class Plain:
+    def __init__(self, executed_by: str) -> None:
+        self.executed_by = executed_by
+
+    def describe(self) -> dict:
+        return {"executed_by": self.executed_by}
+
+
+def test_a_candidate_counts_only_with_a_finite_loss_executed_as_it_should():
+    assert auto._not_as_it_should("ortmodule", Plain("onnxruntime"), 1.5) is None
+    assert "executed by pytorch, not onnxruntime" in auto._not_as_it_should("ortmodule", Plain("pytorch"), 1.5)
+    assert "loss was nan" in auto._not_as_it_should("artifacts", Plain("onnxruntime"), float("nan"))
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """probe_one and runoff replaced by their results: (calls made, results to hand out)."""
+    calls: list[str] = []
+    results = {"none": 11.0, "ortmodule": None, "artifacts": 10.0}
+
+    def probe_one(ctx, name, precision, settings, steps):
+        calls.append(name)
+        return probe(name, results[name], precision)
+
+    def runoff(ctx, first, second, settings):
+        calls.append("runoff")
+        return auto.Runoff(first.label, second.label, pairs=5, ratio=1.2, low=1.1, high=1.3, verdict="separated")
+
+    monkeypatch.setattr(auto, "probe_one", probe_one)
+    monkeypatch.setattr(auto, "runoff", runoff)
+    return calls, results
+
+
+def test_failures_are_never_cached_and_a_cached_decision_spares_the_probe(measured, tmp_path):
+    calls, results = measured
+    cfg = make_cfg(*LM, *AUTO)
+    ctx = engine_context(cfg, build_model(cfg, data := build_data(cfg)), data, tmp_path)
+    settings = {"cache": True, "probe_steps": 1, "budget_s": 1.0}
+    chosen, _, cached, _ = auto.decide(ctx, settings, ["none", "ortmodule", "artifacts"], ["fp32"])
+    assert chosen.engine == "artifacts" and not cached and calls == ["none", "ortmodule", "artifacts", "runoff"]
+    calls.clear()
+    chosen, _, cached, _ = auto.decide(ctx, settings, ["none", "ortmodule", "artifacts"], ["fp32"])
+    assert calls == ["ortmodule"] and not cached  # the failure is probed again, nothing else
+    results["ortmodule"] = 12.0
+    calls.clear()
+    auto.decide(ctx, settings, ["none", "ortmodule", "artifacts"], ["fp32"])
+    calls.clear()
+    chosen, _, cached, _ = auto.decide(ctx, settings, ["none", "ortmodule", "artifacts"], ["fp32"])
+    assert calls == [] and cached and chosen.engine == "artifacts"  # all ran once: the decision is cached
+    key = auto.cache_key(ctx, ["none", "ortmodule", "artifacts"], ["fp32"], settings)
+    assert key != _key_with_version(ctx, settings, "0.0.0+other")  # another ortflow: another key
+
+
+def _key_with_version(ctx, settings, version: str) -> str:
+    saved = auto.ortflow_version
+    try:
+        auto.ortflow_version = lambda: version
+        return auto.cache_key(ctx, ["none", "ortmodule", "artifacts"], ["fp32"], settings)
+    finally:
+        auto.ortflow_version = saved
+
+
+def test_a_cached_choice_that_no_longer_builds_is_dropped_and_probed_again(measured, monkeypatch, tmp_path):
+    calls, results = measured
+    record = run(tmp_path / "first", *AUTO, "accel.candidates=[none,artifacts]")
+    assert record["engine"]["auto"]["choice"]["accel"] == "artifacts"
+
+    def refusing(*args, **kwargs):
+        raise OrtflowError("injected: this engine cannot build the model any more")
+
+    monkeypatch.setattr(auto.ENGINES["artifacts"], "build", refusing)
+    results["artifacts"] = None  # and its probe fails too now
+    calls.clear()
+    record = run(tmp_path / "second", *AUTO, "accel.candidates=[none,artifacts]")
+    assert calls == ["none", "artifacts"]  # the cached choice failed to build: dropped, probed again
+    assert record["engine"]["auto"]["choice"]["accel"] == "none" and not record["engine"]["auto"]["choice"]["cached"]
