@@ -11,6 +11,8 @@ An engine module provides:
               (accel=auto picks the simplest); None: it trains with another engine (accel=auto itself).
     EXECUTED_BY (optional) what its describe()["executed_by"] says when it ran as it should (ORT's engines:
               "onnxruntime"; accel=auto refuses a candidate that says otherwise).
+    RUNS_IN_STEP (optional) the kinds of hooks and state updates (ortflow/model/hooks.py: Kind) it runs as eager
+              does; the others it refuses before the first step (`refuse_unrun`).
 
 The runner, loop, validation and distributed code never name a mode; they go through the functions below. A new
 engine is one module plus one yaml file (found through `hydra.searchpath` when it lives outside ortflow).
@@ -27,6 +29,7 @@ from ortflow import machine
 from ortflow.accel.engine import Engine, EngineContext
 from ortflow.config import AUTO
 from ortflow.errors import OrtflowError
+from ortflow.model import hooks
 from ortflow.paths import config_dir
 
 # The engines shipped with ortflow (their yaml files are conf/accel/<name>.yaml).
@@ -44,6 +47,13 @@ def engines() -> dict[str, ModuleType]:
         if getattr(module, "SIMPLICITY", None) is not None:
             found[module.NAME] = module
     return dict(sorted(found.items(), key=lambda item: item[1].SIMPLICITY))
+
+
+def refuse_unrun(model: Any, inputs: Any, name: str) -> None:
+    """Refuse, before the first step, what engine `name` cannot run of the model's step as eager does (hooks, state a
+    forward changes: ortflow/model/hooks.py), naming the engines that run it."""
+    runs = {n: getattr(m, "RUNS_IN_STEP", frozenset()) for n, m in engines().items()}
+    hooks.refuse_unrun(model, inputs, name, runs)
 
 
 def engine_module(accel: DictConfig) -> ModuleType:

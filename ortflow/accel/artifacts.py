@@ -21,6 +21,7 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
+from ortflow import accel
 from ortflow.accel import failures
 from ortflow.accel.compat import export_warnings, ort, torch_onnx, versions
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
@@ -33,7 +34,7 @@ from ortflow.config import OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.files import as_write_failure
-from ortflow.model import hooks, state_dict
+from ortflow.model import state_dict
 from ortflow.model.probe import training_forward_probe
 from ortflow.ranges import ranged
 from ortflow.report import terminal
@@ -46,6 +47,7 @@ NAME = "artifacts"
 TITLE = "ONNX Runtime training API (export -> generate_artifacts)"  # the run header's "what executes it"
 SIMPLICITY = 2  # ORT runs the whole step (accel=auto picks the simplest of equals)
 EXECUTED_BY = "onnxruntime"  # describe()["executed_by"] when it ran as it should
+RUNS_IN_STEP = frozenset()  # ORT runs the whole step: no hook or state update of torch's
 MIN_OPSET = 14  # the lowest opset ORT's training graphs (SoftmaxCrossEntropyLoss, LayerNormalization grads) build at
 
 
@@ -124,7 +126,7 @@ INSTEAD = "accel=ortmodule may train it (it runs some ops through torch); accel=
 
 
 def build(ctx: EngineContext, **settings: Any) -> "ArtifactsEngine":
-    hooks.refuse_unrun(ctx.model, ctx.example[0], NAME)  # parameter and module hooks, state a forward changes
+    accel.refuse_unrun(ctx.model, ctx.example[0], NAME)  # parameter and module hooks, state a forward changes
     return ArtifactsEngine(ctx, Settings(**settings))
 
 

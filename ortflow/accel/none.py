@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from ortflow import accel
 from ortflow.accel.engine import EngineContext
 from ortflow.config import BF16, OptimConfig
 from ortflow.model import hooks, state_dict
@@ -25,6 +26,7 @@ NAME = "none"
 TITLE = "eager PyTorch"  # the run header's "what executes it"
 SIMPLICITY = 0  # eager PyTorch: the reference (accel=auto picks the simplest of equals)
 EXECUTED_BY = "pytorch"  # describe()["executed_by"] when it ran as it should
+RUNS_IN_STEP = frozenset(hooks.Kind)  # eager PyTorch runs every hook and state update
 
 
 @dataclass
@@ -50,7 +52,7 @@ def problems(cfg: DictConfig) -> list[str]:
 
 def build(ctx: EngineContext) -> "EagerEngine":
     """The eager engine around `ctx.model` (with ctx's distributed wrappers around it)."""
-    hooks.refuse_unrun(ctx.model, ctx.example[0], NAME)  # eager PyTorch runs every hook: nothing is refused
+    accel.refuse_unrun(ctx.model, ctx.example[0], NAME)  # eager PyTorch runs every hook: nothing is refused
     module = ctx.wrap(WithLoss(ctx.model, ctx.loss, ctx.layout, autocast=ctx.precision == BF16))
     return EagerEngine(module, ctx.model, ctx.loss, ctx.layout, ctx.optim, ctx.grad_clip, ctx.reduce_loss)
 

@@ -21,6 +21,7 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
+from ortflow import accel
 from ortflow.accel import failures
 from ortflow.accel.compat import ortmodule_patches
 from ortflow.accel.compat.extensions import ensure_built
@@ -46,6 +47,8 @@ NAME = "ortmodule"
 TITLE = "ONNX Runtime via ORTModule"  # the run header's "what executes it"
 SIMPLICITY = 1  # ORT runs forward and backward; torch.optim the update (accel=auto picks the simplest of equals)
 EXECUTED_BY = "onnxruntime"  # describe()["executed_by"] when it ran as it should
+# The hooks it runs as eager does: its gradients reach torch's parameters through autograd (ortflow/model/hooks.py)
+RUNS_IN_STEP = frozenset({hooks.Kind.parameter_hook, hooks.Kind.post_accumulate_hook})
 
 
 class Fallback(Enum):
@@ -107,7 +110,7 @@ def debug_options(debug: DebugConfig, onnx_dir: Path):
 
 
 def build(ctx: EngineContext, **settings: Any) -> "ORTModuleEngine":
-    hooks.refuse_unrun(ctx.model, ctx.example[0], NAME)  # module backward hooks, state a forward changes
+    accel.refuse_unrun(ctx.model, ctx.example[0], NAME)  # module backward hooks, state a forward changes
     return ORTModuleEngine(ctx, Settings(**settings))
 
 

@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from ortflow.accel import artifacts
 from ortflow.config import OptimConfig, OptimName
 from ortflow.data import Data
 from ortflow.device import artifact_set, check, graphs, manifest, portable, preprocessing, reference, torch_free
@@ -233,7 +234,7 @@ def _manifest(
         "dropout": {"nodes": shipped.dropout_nodes, "by": "ORT's Dropout op in the training graph (no mask inputs)"},
         "run": run or {},
         "differences": manifest.differences(cfg, lr, batch_size, shipped.dropout_nodes, bool(momenta)),
-        "portable_settings": {"accel": "artifacts", **portable.ENGINE_SETTINGS, "precision": portable.PRECISION},
+        "portable_settings": {"accel": artifacts.NAME, **portable.ENGINE_SETTINGS, "precision": portable.PRECISION},
     }
 
 

@@ -1,15 +1,15 @@
-"""What torch runs in a training step besides the forward's operations, found before the first step: hooks on
-parameters and modules, torch's global module hooks, gradient hooks a forward registers, and state a training forward
-changes in place (buffers, parameters, attributes).
+"""What torch runs in a training step besides the forward's operations, found before the first step: hooks on parameters
+and modules, torch's global module hooks, gradient hooks a forward registers, and state a training forward changes in
+place (buffers, parameters, attributes).
 
-Eager PyTorch runs all of it. An ONNX Runtime engine runs the graphs it exported: torch runs the model's forward once,
-to export it, and never runs its backward, so a hook or a state update the graphs do not hold would run only at export,
-or never. Each engine runs some kinds as eager does (`RUNS`: ORTModule's gradients reach the parameters through torch's
-autograd, so parameter hooks fire as in eager; a forward hook that transforms outputs is traced into the graph, as is a
-reparametrisation like weight_norm's pre-hook) and refuses the rest before the first step, naming the module, the
-parameter or buffer and the hook (`refuse_unrun`). The table of kinds against engines: docs/models.md ("Hooks and state
-a training step changes"). BatchNorm's running statistics are not in it: both ORT engines keep them as eager does
-(ortflow/accel/graph/batchnorm.py).
+Eager PyTorch runs all of it. An ONNX Runtime engine runs the graphs it exported: torch runs the model's forward
+once, to export it, and never runs its backward, so a hook or a state update the graphs do not hold would run only at
+export, or never. Each engine declares the kinds it runs as eager does (its module's RUNS_IN_STEP: ORTModule's
+gradients reach the parameters through torch's autograd, so parameter hooks fire as in eager; a forward hook that
+transforms outputs is traced into the graph, as is a reparametrisation like weight_norm's pre-hook) and refuses the
+rest before the first step, naming the module, the parameter or buffer and the hook (`refuse_unrun`). The table of
+kinds against engines: docs/models.md ("Hooks and state a training step changes"). BatchNorm's running statistics are
+not in it: both ORT engines keep them as eager does (ortflow/accel/graph/batchnorm.py).
 
 How state updates are found: two training-mode forwards of the example batch, from the same torch seed; what the
 second one changes (the first may fill caches once) is a state update, and outputs that differ between the two mean
@@ -52,13 +52,6 @@ class Kind(Enum):
     state_update = "parameter, buffer or attribute a training forward changes in place (a counter, spectral_norm's u)"
     stateful_forward = "training forward whose outputs change from one call to the next on the same batch"
 
-
-# The kinds each built-in engine runs as eager PyTorch does; an engine not listed runs none of them.
-RUNS: dict[str, frozenset[Kind]] = {
-    "none": frozenset(Kind),
-    "ortmodule": frozenset({Kind.parameter_hook, Kind.post_accumulate_hook}),
-    "artifacts": frozenset(),
-}
 
 # Why an ONNX Runtime engine cannot run each kind.
 _WHY = {
@@ -342,14 +335,15 @@ def _detached(output: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------------- refusal
-def refuse_unrun(model: nn.Module, inputs: Inputs, mode: str) -> None:
+def refuse_unrun(model: nn.Module, inputs: Inputs, mode: str, engines: dict[str, frozenset[Kind]]) -> None:
     """Refuse, before the first step, a model whose step runs something engine `mode` cannot run as eager does
-    (RUNS), naming each parameter, buffer, attribute or module and its hook, why, and which engines run it.
+    (`engines`: each engine's name and the kinds it runs), naming each parameter, buffer, attribute or module and its
+    hook, why, and which engines run it.
 
     Raises:
         ModelError: one paragraph listing everything found.
     """
-    runs = RUNS.get(mode, frozenset())
+    runs = engines.get(mode, frozenset())
     found = registered_hooks(model)
     if any(kind not in runs for kind in (Kind.hook_in_forward, Kind.state_update, Kind.stateful_forward)):
         found += state_updates(model, inputs)
@@ -361,7 +355,7 @@ def refuse_unrun(model: nn.Module, inputs: Inputs, mode: str) -> None:
     kinds = list(dict.fromkeys(f.kind for f in unrun))
     listed = "; ".join(f"{k.value}: {', '.join(f.what for f in unrun if f.kind == k)}" for k in kinds)
     why = "; ".join(dict.fromkeys(_WHY[k] for k in kinds))
-    others = [m for m, kept in RUNS.items() if m != mode and all(k in kept for k in kinds)]
+    others = [m for m, kept in engines.items() if m != mode and all(k in kept for k in kinds)]
     instead = " or ".join(f"accel={m}" for m in others)
     them = "them" if len(unrun) > 1 else "it"
     raise ModelError(

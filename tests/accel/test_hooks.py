@@ -276,7 +276,7 @@ def test_a_global_module_hook_is_refused_by_the_ort_engines(which, kind, tmp_pat
 def test_without_the_refusal_the_engine_would_train_another_model(kind, case, tmp_path, monkeypatch):
     """Why the refusals exist: bypassed, ORT trains on without running the hook, silently."""
     build, _, _ = CASES[case]
-    monkeypatch.setattr(hooks, "refuse_unrun", lambda *_args: None)
+    monkeypatch.setattr(hooks, "refuse_unrun", lambda *_args: None)  # (accel.refuse_unrun calls it)
     data = batches()
     eager_calls, calls = Calls(), Calls()
     eager = make_engine("none", build(eager_calls), data[0], tmp_path)
@@ -294,7 +294,7 @@ def test_every_problem_is_named_at_once():
     model[0].weight.register_hook(zero_first)
     model[0].register_full_backward_hook(lambda *_: None)
     with pytest.raises(ModelError) as refused:
-        hooks.refuse_unrun(model, batches()[0][0], "artifacts")
+        accel.refuse_unrun(model, batches()[0][0], "artifacts")
     message = str(refused.value)
     for text in ("parameter '0.weight'", "module '0' (Linear)", "buffer '2.weight_u'", "register_full_backward_hook"):
         assert text in message, message
