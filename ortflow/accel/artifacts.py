@@ -126,7 +126,6 @@ INSTEAD = "accel=ortmodule may train it (it runs some ops through torch); accel=
 
 
 def build(ctx: EngineContext, **settings: Any) -> "ArtifactsEngine":
-    accel.refuse_unrun(ctx.model, ctx.example[0], NAME)  # parameter and module hooks, state a forward changes
     return ArtifactsEngine(ctx, Settings(**settings))
 
 
@@ -194,15 +193,16 @@ class ArtifactsEngine:
 
     name = NAME
 
-    def __init__(self, ctx: EngineContext, accel: Settings) -> None:
+    def __init__(self, ctx: EngineContext, settings: Settings) -> None:
         """ctx.model's current weights become the initial weights; ctx.example's shape is the one ORT trains on."""
         versions.prepare()
         import onnxruntime
 
         onnxruntime.set_default_logger_severity(3)  # ORT's graph-transformer chatter is INFO; keep errors only
-        self.plan = graph_plan.GraphPlan.compute(accel, ctx.precision, NAME)
+        self.plan = graph_plan.GraphPlan.compute(settings, ctx.precision, NAME)
         model = self.model = ctx.model
         batchnorm.refuse_unsupported(model, NAME, self.plan)
+        accel.refuse_unrun(ctx.model, ctx.example[0], NAME)  # parameter and module hooks, state a forward changes
         self.loss, self.layout = ctx.loss, ctx.layout
         self.batch_size = ctx.batch_size
         self.accumulate = ctx.accumulate
@@ -227,7 +227,7 @@ class ArtifactsEngine:
         # The loss by torch (accel.aten_cross_entropy): the loss is exported too, its SoftmaxCrossEntropyLoss torch's.
         by_torch = self.plan.by_torch(aten_cross_entropy.NAME)
         self.loss_block = self.loss.ort_block() if self.accumulate == 1 and not by_torch else None
-        forward, work = self._export(ctx, accel.opset, example_inputs)
+        forward, work = self._export(ctx, settings.opset, example_inputs)
         self.graph_fixes, self.masks = work.fixes, work.masks
         self.aten_nodes = work.torch_nodes  # torch's kernels inside ORT (accel/graph/aten_nodes.py)
         if self.aten_nodes:
@@ -239,8 +239,8 @@ class ArtifactsEngine:
         self.options = onnxruntime.SessionOptions()
         self.options.log_severity_level = 3  # errors only: ORT logs every graph transformer it applies at INFO
         # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.
-        self.intra_op_threads = accel.intra_op_threads
-        self.allow_spinning = accel.allow_spinning and not self.aten_nodes
+        self.intra_op_threads = settings.intra_op_threads
+        self.allow_spinning = settings.allow_spinning and not self.aten_nodes
         ort.apply_session_settings(self.options, self.intra_op_threads, self.allow_spinning)
         with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs", model=model):
             self._open(self.onnx_dir / "checkpoint", ctx.optim.lr)

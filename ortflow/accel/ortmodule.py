@@ -110,7 +110,6 @@ def debug_options(debug: DebugConfig, onnx_dir: Path):
 
 
 def build(ctx: EngineContext, **settings: Any) -> "ORTModuleEngine":
-    accel.refuse_unrun(ctx.model, ctx.example[0], NAME)  # module backward hooks, state a forward changes
     return ORTModuleEngine(ctx, Settings(**settings))
 
 
@@ -123,6 +122,7 @@ class ORTModuleEngine:
     def __init__(self, ctx: EngineContext, settings: Settings) -> None:
         self.plan = graph_plan.GraphPlan.compute(settings, ctx.precision, NAME)
         batchnorm.refuse_unsupported(ctx.model, NAME, self.plan)
+        accel.refuse_unrun(ctx.model, ctx.example[0], NAME)  # module backward hooks, state a forward changes
         ensure_built()
         self.fallback = settings.fallback
         # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.
