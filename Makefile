@@ -8,8 +8,12 @@ PYTHON ?= python3
 # torch: the default end of the supported range in .venv; the other end in .venv-torch<version> (make test-range).
 TORCH ?= 2.14.1
 RANGE_TORCH ?= 2.6.0
-# torchvision is built for one torch release: torch 2.N -> torchvision 0.(N+15).
-TORCHVISION = 0.$(shell echo $$(( $(word 2,$(subst ., ,$(TORCH))) + 15 ))).*
+# torchvision is built for one torch release: torch 2.N -> torchvision 0.(N+15). Where that release is not
+# published, the newest torchvision whose Requires-Dist accepts the torch: torch 2.15 -> 0.29.2 (torch>=2.14;
+# torchvision 0.30 is not published).
+TORCH_MINOR = $(word 2,$(subst ., ,$(TORCH)))
+TORCHVISION_UNPUBLISHED = 15:0.29.2
+TORCHVISION = $(or $(patsubst $(TORCH_MINOR):%,%,$(filter $(TORCH_MINOR):%,$(TORCHVISION_UNPUBLISHED))),0.$(shell echo $$(( $(TORCH_MINOR) + 15 ))).*)
 VENV ?= .venv
 # What test-range runs on the other end: every engine, parity, resume, custom-Function and distributed test.
 RANGE_TESTS ?= tests/accel/compat/test_compat.py tests/accel/test_engines.py tests/accel/test_zoo.py tests/run/test_resume.py \
