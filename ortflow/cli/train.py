@@ -28,7 +28,7 @@ from ortflow.errors import OrtflowError
 from ortflow.files import read_record
 from ortflow.paths import config_dir
 from ortflow.report.summary import print_summary
-from ortflow.run import launch
+from ortflow.run import launch, placement
 from ortflow.run.guard import claim, forget_held, owns_its_dir, release_held
 from ortflow.run.signals import Interrupted, Preempted, stop_was_asked
 from ortflow.validate import validate
@@ -65,12 +65,17 @@ def _main(cfg: DictConfig) -> float:
     if sweeping and (record := completed_before(run_dir, overrides)):
         log.info("job %s already completed in this sweep dir (%s); skipped", hydra_cfg.job.num, run_dir)
         return record["metrics"][cfg.objective]
+    continued = []  # a job its scheduler runs again (Ray retry, SLURM requeue) continues its checkpoint
+    if sweeping and cfg.trainer.resume is None and (why := placement.rerun()):
+        log.info("%s: continuing from its latest checkpoint (trainer.resume=auto)", why)
+        cfg.trainer.resume = "auto"
+        continued = ["trainer.resume=auto"]
     if launch.needs_launch(cfg):
         try:
             validate(cfg)  # the wrapper order and launch settings, before any process starts
         except OrtflowError as err:
             return _user_error(err, sweeping)
-        return _launch(cfg, run_dir, overrides, list(hydra_cfg.overrides.hydra), sweeping)
+        return _launch(cfg, run_dir, overrides + continued, list(hydra_cfg.overrides.hydra), sweeping)
     started = time.monotonic()
 
     def summary() -> None:  # the closing table of a single run, on rank 0
