@@ -80,3 +80,27 @@ setup-range:
 test-range: lint setup-range
 	PATH=$(abspath .venv-torch$(RANGE_TORCH))/bin:$$PATH .venv-torch$(RANGE_TORCH)/bin/python -m pytest $(XDIST) \
 		$(DURATIONS) $(RANGE_TESTS) $(PYTEST_ARGS)
+
+# ---------------------------------------------------------------- beyond one machine: clusters and the newest torch
+# The tests against real clusters they start themselves (tests/cluster/: a Ray head and a second node, a one-node
+# SLURM), in their own phase: one test at a time, as each starts its cluster. `make setup-cluster` (root, Debian)
+# installs what they need besides .venv's ray and submitit: slurm-wlm and munge, and iproute2 for the Ray cluster's
+# loopback-only network namespace.
+CLUSTER_TESTS ?= tests/cluster
+.PHONY: setup-cluster test-cluster setup-newest test-newest
+setup-cluster:
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v ip >/dev/null || { \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge iproute2; }
+
+test-cluster: setup-test
+	$(BIN)/python -m pytest -n 0 -m cluster $(DURATIONS) $(CLUSTER_TESTS) $(PYTEST_ARGS)
+
+# The newest torch in the supported range, a third leg beside the default and RANGE_TORCH: the same RANGE_TESTS in
+# .venv-torch$(NEWEST_TORCH). The development machines' pip caps torch at 2.14.1 with a constraints file
+# (/etc/xdg/pip); an empty one (PIP_CONSTRAINT=/dev/null) lifts the cap for this venv's installs only.
+NEWEST_TORCH ?= 2.15.0
+setup-newest:
+	PIP_CONSTRAINT=/dev/null $(MAKE) setup-range RANGE_TORCH=$(NEWEST_TORCH)
+
+test-newest: setup-newest
+	PIP_CONSTRAINT=/dev/null $(MAKE) test-range RANGE_TORCH=$(NEWEST_TORCH)

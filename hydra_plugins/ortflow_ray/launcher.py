@@ -16,6 +16,7 @@ every node shares, where the sweep summary reads them."""
 import json
 import logging
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,7 +133,7 @@ class RayLauncher(Launcher):
         self._connect()
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        remote = ray.remote(_placed_job).options(max_calls=1, max_retries=0, num_cpus=self.cpus_per_job)
+        remote = ray.remote(max_calls=1, max_retries=0, num_cpus=self.cpus_per_job)(_placed_job)
         env = {"env_vars": {"OMP_NUM_THREADS": str(self.threads)}}
         log.info(
             "Ray launcher: %d jobs, %s CPUs and %d threads each, on %s",
@@ -175,17 +176,19 @@ class RayLauncher(Launcher):
                 lost = type(err).__name__ in _LOST
                 if lost and job["attempt"] <= self.max_retries:
                     log.warning("job %d lost its Ray worker (%s); running it again", job["idx"], _first_line(err))
-                    job["resources"] = self._still_offered(job["resources"], job["idx"])
+                    job["resources"] = self._still_offered(job["resources"], job["idx"], _lost_node(err))
                     submit(job)
                     continue
                 results[job["idx"]] = self._failed(job, err, lost)
         return [results[idx] for idx in sorted(results)]
 
-    def _still_offered(self, resources: dict[str, float], idx: int) -> dict[str, float]:
-        """The job's custom resources if a live node offers them all, else none (the job runs on any live node)."""
+    def _still_offered(self, resources: dict[str, float], idx: int, lost: str | None) -> dict[str, float]:
+        """The job's custom resources if a live node other than the one it was lost on offers them all, else none
+        (the job then runs on any live node). The lost node may still be listed alive for a while after its
+        tasks failed (until its heartbeats are missed)."""
         import ray
 
-        offered = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+        offered = [n["Resources"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != lost]
         if not resources or any(all(r.get(k, 0) >= v for k, v in resources.items()) for r in offered):
             return resources
         log.warning("job %d: no live node offers %s any more; it runs again without them", idx, resources)
@@ -214,6 +217,12 @@ class RayLauncher(Launcher):
         result = JobReturn(overrides=job["overrides"], cfg=config, hydra_cfg=config, working_dir=str(run_dir))
         result.status, result.return_value = JobStatus.COMPLETED, float("nan")
         return result
+
+
+def _lost_node(err: Exception) -> str | None:
+    """The node a NodeDiedError names (Ray gives it only in the message)."""
+    found = re.search(r"node ID: ([0-9a-f]{56})", str(err))
+    return found.group(1) if found else None
 
 
 def _first_line(err: Exception) -> str:

@@ -30,7 +30,7 @@ from ortflow.paths import config_dir
 from ortflow.report.summary import print_summary
 from ortflow.run import launch, placement
 from ortflow.run.guard import claim, forget_held, owns_its_dir, release_held
-from ortflow.run.signals import Interrupted, Preempted, stop_was_asked
+from ortflow.run.signals import Interrupted, Preempted, hand_over_preemption, stop_was_asked
 from ortflow.validate import validate
 
 log = logging.getLogger("ortflow")
@@ -89,6 +89,9 @@ def _main(cfg: DictConfig) -> float:
         metrics = train(cfg, run_dir, overrides).metrics
     except Preempted as err:
         summary()
+        if lock is not None:
+            lock.release()
+        hand_over_preemption()  # submitit's requeue (SLURM jobs it runs) exits here
         # A clean stop (exit status 0) that a scheduler can requeue; a sweep stops here too, resumable as a whole.
         if not distributed.world_from_env().rank:
             print(

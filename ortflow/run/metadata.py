@@ -80,17 +80,21 @@ def start_record(config: dict[str, Any], overrides: list[str], seed: int) -> dic
     untested = untested_versions()
     # The compatibility patches the ORT engines apply on this torch (accel/compat/torch_patches.py, cpp_patches.py).
     patches = [patch.name for patch in [*torch_patches.needed(), *cpp_patches.needed()]]
-    where = placement()
-    return ({"untested_versions": untested} if untested else {}) | ({"placement": where} if where else {}) | {
-        "status": "running",
-        "started": now(),
-        "command": [sys.executable, *sys.argv],
-        "overrides": overrides,
-        "cwd": os.getcwd(),
-        "git": git_state(Path.cwd()),
-        "seed": seed,
-        "host": host(),
-        "versions": versions(),
-        "torch_patches": patches,
-        "config": config,
-    }
+    where = placement()  # a job a launcher placed on another node or process
+    return (
+        ({"untested_versions": untested} if untested else {})
+        | ({"placement": where} if where else {})
+        | {
+            "status": "running",
+            "started": now(),
+            "command": [sys.executable, *sys.argv],
+            "overrides": overrides,
+            "cwd": os.getcwd(),
+            "git": git_state(Path.cwd()),
+            "seed": seed,
+            "host": host(),
+            "versions": versions(),
+            "torch_patches": patches,
+            "config": config,
+        }
+    )

@@ -12,6 +12,7 @@ PLACEMENT = "ORTFLOW_PLACEMENT"
 # SLURM's variables that say where a job runs and how often it was requeued.
 _SLURM = {
     "job_id": "SLURM_JOB_ID",
+    "array_job_id": "SLURM_ARRAY_JOB_ID",
     "array_task_id": "SLURM_ARRAY_TASK_ID",
     "node_id": "SLURM_NODEID",
     "nodes": "SLURM_JOB_NODELIST",

@@ -187,7 +187,8 @@ class RayCluster:
         for node in reversed(self.nodes):
             _stop(node, self.seen.get(node, {}))
         _wait_gone(self.namespace)
-        shutil.rmtree(self.temp, ignore_errors=True)
+        if not os.environ.get("ORTFLOW_KEEP_RAY_LOGS"):
+            shutil.rmtree(self.temp, ignore_errors=True)
 
 
 def ray_available() -> bool:
@@ -206,6 +207,131 @@ def ray_cluster(root: Path) -> Iterator[RayCluster]:
         "the Ray cluster tests need a network namespace (unshare -n, as root)",
     )
     cluster = RayCluster(root)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+# ------------------------------------------------------------------------------------------------------- SLURM
+SLURM_CONF = """\
+ClusterName=ortflowtest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+AuthType=auth/munge
+AuthInfo=socket={root}/munge/socket
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+JobRequeue=1
+SchedulerType=sched/builtin
+NodeName=ortflownode NodeHostname={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 State=UNKNOWN
+PartitionName=test Nodes=ortflownode Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class SlurmCluster:
+    """One SLURM node on this machine (partition `test`, all its CPUs), its controller and munge, each a process of
+    the test's own with its files in `root`; `env` points SLURM's commands (sbatch, squeue, scancel) at it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.processes: list[subprocess.Popen] = []
+        self.env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
+        self.env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+        self.env["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
+
+    def _daemon(self, *command: str) -> None:
+        log = (self.root / f"{Path(command[0]).name}.out").open("w")
+        self.processes.append(subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+
+    def start(self) -> None:
+        munge = self.root / "munge"
+        munge.mkdir(mode=0o755)
+        for folder in ("state", "spool"):
+            (self.root / folder).mkdir()
+        subprocess.run(["mungekey", "--create", f"--keyfile={munge / 'munge.key'}"], check=True)
+        files = [f"--{name}-file={munge / name}" for name in ("pid", "log", "seed")]
+        self._daemon(
+            "munged",
+            "--foreground",
+            "--force",
+            f"--socket={munge / 'socket'}",
+            f"--key-file={munge / 'munge.key'}",
+            *files,
+        )
+        settings = {"host": socket.gethostname(), "root": self.root, "cpus": os.cpu_count() or 1}
+        settings |= {"ctld_port": free_port(), "d_port": free_port()}
+        (self.root / "slurm.conf").write_text(SLURM_CONF.format(**settings))
+        self._wait(lambda: (munge / "socket").exists(), "munged")
+        self._daemon("slurmctld", "-D", "-f", self.env["SLURM_CONF"])
+        self._daemon("slurmd", "-D", "-f", self.env["SLURM_CONF"], "-N", "ortflownode")
+        self._wait(lambda: self.sinfo() == "idle", "the node to be idle")
+
+    def sinfo(self) -> str:
+        result = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True)
+        return result.stdout.strip()
+
+    def _wait(self, ready, what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.processes):
+                logs = "\n".join(p.read_text()[-2000:] for p in sorted(self.root.glob("*.out")))
+                raise RuntimeError(f"SLURM did not start ({what}):\n{logs}")
+            time.sleep(0.5)
+
+    def jobs(self) -> str:
+        result = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=self.env, capture_output=True, text=True)
+        return result.stdout.strip()
+
+    def start_requeued_now(self, job_id: str, timeout: float = 120) -> None:
+        """SLURM holds a requeued job for about 2 minutes (its begin time); once `job_id` is back in the queue, move
+        that to now, so the test does not wait."""
+
+        def pending_again() -> bool:
+            shown = subprocess.run(["scontrol", "show", "job", job_id], env=self.env, capture_output=True, text=True)
+            return "JobState=PENDING" in shown.stdout and "Restarts=0" not in shown.stdout
+
+        self._wait(pending_again, f"job {job_id} to be requeued", timeout)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=self.env, check=True)
+
+    def stop(self) -> None:
+        subprocess.run(["scancel", "--partition=test"], env=self.env, capture_output=True)
+        with contextlib.suppress(RuntimeError):  # the jobs' processes end before slurmd does
+            self._wait(lambda: not self.jobs(), "the jobs to end", timeout=60)
+        for process in reversed(self.processes):
+            _wait_gone(process)
+
+
+def slurm_available() -> bool:
+    return all(shutil.which(tool) for tool in ("slurmctld", "slurmd", "sbatch", "munged", "mungekey"))
+
+
+@contextlib.contextmanager
+def slurm_cluster(root: Path) -> Iterator[SlurmCluster]:
+    require(
+        slurm_available(),
+        "the SLURM tests need Debian's slurm-wlm and munge (apt-get install slurm-wlm munge) and submitit",
+    )
+    require(os.geteuid() == 0, "the SLURM tests start slurmd, which runs jobs as root here")
+    cluster = SlurmCluster(root)
     try:
         cluster.start()
         yield cluster
