@@ -200,7 +200,6 @@ class RayLauncher(Launcher):
         from ortflow.files import read_record, write_json_atomic
         from ortflow.run.metadata import now
 
-        assert self.hydra_context is not None
         config = job["config"]
         reason = (
             f"lost its Ray worker or node after {job['attempt']} attempt(s) (hydra.launcher.max_retries="
@@ -214,6 +213,8 @@ class RayLauncher(Launcher):
             record = read_record(run_dir) or {"overrides": job["overrides"]}
             record |= {"status": "failed", "error": reason, "finished": now()}
             write_json_atomic(run_dir / "run.json", record)
+        with open_dict(config):
+            config.hydra.runtime.output_dir = str(run_dir)  # where the sweep (and Optuna's) reads the job's record
         result = JobReturn(overrides=job["overrides"], cfg=config, hydra_cfg=config, working_dir=str(run_dir))
         result.status, result.return_value = JobStatus.COMPLETED, float("nan")
         return result

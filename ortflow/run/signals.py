@@ -32,8 +32,8 @@ class StopRequest:
 class Preempted(Exception):
     """The run stopped on request after writing a checkpoint; continuing it is `trainer.resume=auto`."""
 
-    def __init__(self, step: int, checkpoint: str) -> None:
-        super().__init__(f"stopped on request after step {step}; checkpoint {checkpoint}")
+    def __init__(self, step: int, checkpoint: str, signum: int = signal.SIGTERM) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint {checkpoint}")
         self.step = step
         self.checkpoint = checkpoint
 
