@@ -171,6 +171,7 @@ def test_a_grid_on_two_nodes_survives_a_killed_node_and_its_job_resumes_elsewher
     assert twin.keys() == resumed.keys() and all(torch.equal(twin[k], resumed[k]) for k in twin)
     rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
     assert [r["status"] for r in rows] == ["completed"] * 4
+    assert rows[3]["placement"] == f"{pinned['placement']['host']} node {pinned['placement']['node_id'][:8]}"
 
 
 def test_with_retries_off_a_lost_job_fails_with_a_record_and_the_sweep_returns_the_others(cluster, tmp_path):
