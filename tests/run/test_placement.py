@@ -85,3 +85,17 @@ def test_an_sqlite_study_is_refused_on_another_host_or_where_its_file_is_missing
     with pytest.raises(OrtflowError, match=r"optuna\.db \(hydra\.sweeper\.storage\) does not exist"):
         pruning.check_reachable(spec | {"host": socket.gethostname()})
     pruning.check_reachable({"storage": "postgresql://u:p@db/optuna", "host": "elsewhere"})  # a server: any host
+
+
+def test_the_ray_launcher_composes_with_its_defaults_and_per_job_resources():
+    from hydra import compose, initialize_config_dir
+
+    from ortflow.paths import config_dir
+
+    overrides = ["hydra/launcher=ray", "hydra.launcher.cpus_per_job=2", "+hydra.launcher.resources.gpu_node=1"]
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides, return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.ortflow_ray.launcher.RayLauncher"
+    assert launcher.address is None and launcher.cpus_per_job == 2 and launcher.threads is None
+    assert launcher.max_retries == 2 and dict(launcher.resources) == {"gpu_node": 1}
