@@ -20,11 +20,11 @@ from tests.helpers.clusters import RayCluster, ray_cluster
 
 pytestmark = pytest.mark.cluster
 
-# Small jobs: the digits MLP, 400 steps, a checkpoint every 50 (the kill lands after the first).
+# Small jobs: the digits MLP, 600 steps, a checkpoint every 50 (the kill lands after the first).
 JOB = [
     "+recipe=digits",
-    "trainer.max_steps=400",
-    "trainer.eval_every=200",
+    "trainer.max_steps=600",
+    "trainer.eval_every=300",
     "trainer.log_every=50",
     "trainer.checkpoint.every=50",
     "logger.progress=false",

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.cluster
 
 JOB = [
     "+recipe=digits",
-    "trainer.max_steps=400",
-    "trainer.eval_every=200",
+    "trainer.max_steps=600",
+    "trainer.eval_every=300",
     "trainer.checkpoint.every=50",
     "logger.progress=false",
 ]
