@@ -9,8 +9,12 @@ PYTHON ?= python3
 # torch: the default end of the supported range in .venv; the other end in .venv-torch<version> (make test-range).
 TORCH ?= 2.14.1
 RANGE_TORCH ?= 2.6.0
-# torchvision is built for one torch release: torch 2.N -> torchvision 0.(N+15).
-TORCHVISION = 0.$(shell echo $$(( $(word 2,$(subst ., ,$(TORCH))) + 15 ))).*
+# torchvision is built for one torch release: torch 2.N -> torchvision 0.(N+15). Where that release is not
+# published, the newest torchvision whose Requires-Dist accepts the torch: torch 2.15 -> 0.29.2 (torch>=2.14;
+# torchvision 0.30 is not published).
+TORCH_MINOR = $(word 2,$(subst ., ,$(TORCH)))
+TORCHVISION_UNPUBLISHED = 15:0.29.2
+TORCHVISION = $(or $(patsubst $(TORCH_MINOR):%,%,$(filter $(TORCH_MINOR):%,$(TORCHVISION_UNPUBLISHED))),0.$(shell echo $$(( $(TORCH_MINOR) + 15 ))).*)
 VENV ?= .venv
 # What test-range runs on the other end: every engine, parity, resume, custom-Function and distributed test.
 RANGE_TESTS ?= tests/accel/compat/test_compat.py tests/accel/test_engines.py tests/accel/test_zoo.py tests/run/test_resume.py \
@@ -89,3 +93,27 @@ setup-device: setup-test
 # process: its tests share trained runs (a module fixture), which xdist workers would each train again.
 test-device: setup-device
 	ORTFLOW_DEVICE_TESTS=1 $(BIN)/python -m pytest -n 0 $(DURATIONS) tests/device $(PYTEST_ARGS)
+
+# ---------------------------------------------------------------- beyond one machine: clusters and the newest torch
+# The tests against real clusters they start themselves (tests/cluster/: a Ray head and a second node, a one-node
+# SLURM), in their own phase: one test at a time, as each starts its cluster. `make setup-cluster` (root, Debian)
+# installs what they need besides .venv's ray and submitit: slurm-wlm and munge, and iproute2 for the Ray cluster's
+# loopback-only network namespace.
+CLUSTER_TESTS ?= tests/cluster
+.PHONY: setup-cluster test-cluster setup-newest test-newest
+setup-cluster:
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v ip >/dev/null || { \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge iproute2; }
+
+test-cluster: setup-test
+	ORTFLOW_CLUSTER_TESTS=1 $(BIN)/python -m pytest -n 0 $(DURATIONS) $(CLUSTER_TESTS) $(PYTEST_ARGS)
+
+# The newest torch in the supported range, a third leg beside the default and RANGE_TORCH: the same RANGE_TESTS in
+# .venv-torch$(NEWEST_TORCH). The development machines' pip caps torch at 2.14.1 with a constraints file
+# (/etc/xdg/pip); an empty one (PIP_CONSTRAINT=/dev/null) lifts the cap for this venv's installs only.
+NEWEST_TORCH ?= 2.15.0
+setup-newest:
+	PIP_CONSTRAINT=/dev/null $(MAKE) setup-range RANGE_TORCH=$(NEWEST_TORCH)
+
+test-newest: setup-newest
+	PIP_CONSTRAINT=/dev/null $(MAKE) test-range RANGE_TORCH=$(NEWEST_TORCH)

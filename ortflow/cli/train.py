@@ -30,9 +30,9 @@ from ortflow.errors import OrtflowError, origin, root_reason
 from ortflow.files import read_record
 from ortflow.paths import config_dir
 from ortflow.report.summary import print_summary
-from ortflow.run import launch
+from ortflow.run import launch, placement
 from ortflow.run.guard import claim, forget_held, owns_its_dir, release_held
-from ortflow.run.signals import Interrupted, Preempted, stop_was_asked
+from ortflow.run.signals import Interrupted, Preempted, hand_over_preemption, stop_was_asked
 from ortflow.validate import validate
 
 log = logging.getLogger("ortflow")
@@ -88,12 +88,17 @@ def _main(cfg: DictConfig) -> float:
     if sweeping and (record := completed_before(run_dir, overrides)):
         log.info("job %s already completed in this sweep dir (%s); skipped", hydra_cfg.job.num, run_dir)
         return record["metrics"][cfg.objective]
+    continued = []  # a job its scheduler runs again (Ray retry, SLURM requeue) continues its checkpoint
+    if sweeping and cfg.trainer.resume is None and (why := placement.rerun()):
+        log.info("%s: continuing from its latest checkpoint (trainer.resume=auto)", why)
+        cfg.trainer.resume = "auto"
+        continued = ["trainer.resume=auto"]
     if launch.needs_launch(cfg):
         try:
             validate(cfg)  # the wrapper order and launch settings, before any process starts
         except OrtflowError as err:
             return _user_error(err, sweeping)
-        return _launch(cfg, run_dir, overrides, list(hydra_cfg.overrides.hydra), sweeping)
+        return _launch(cfg, run_dir, overrides + continued, list(hydra_cfg.overrides.hydra), sweeping)
     started = time.monotonic()
 
     def summary() -> None:  # the closing table of a single run, on rank 0
@@ -107,6 +112,9 @@ def _main(cfg: DictConfig) -> float:
         metrics = train(cfg, run_dir, overrides).metrics
     except Preempted as err:
         summary()
+        if lock is not None:
+            lock.release()
+        hand_over_preemption()  # submitit's requeue (SLURM jobs it runs) exits here
         # A clean stop (exit status 0) that a scheduler can requeue; a sweep stops here too, resumable as a whole.
         if not distributed.world_from_env().rank:
             print(

@@ -23,7 +23,17 @@ EVAL_METRICS = ("eval/accuracy", "eval/mae")
 
 def columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
     extra = tuple(m for m in EVAL_METRICS if any(r.get(m) is not None for r in rows))
-    return (*COLUMNS[:5], *extra, *COLUMNS[5:])
+    placed = ("placement",) if any(r.get("placement") for r in rows) else ()  # jobs a launcher placed (Ray, SLURM)
+    return (*COLUMNS[:3], *placed, *COLUMNS[3:5], *extra, *COLUMNS[5:])
+
+
+def _placement(record: dict[str, Any]) -> str:
+    """Where a launcher ran the job: `host node <id>` (Ray, its first 8 hex digits) or `host job <id>` (SLURM)."""
+    where = record.get("placement")
+    if not where:
+        return ""
+    node = f"node {where['node_id'][:8]}" if where.get("launcher") == "ray" else f"job {where.get('job_id')}"
+    return f"{where.get('host', '?')} {node}"
 
 
 def job_rows(sweep_dir: Path, objective: str = "eval/loss") -> list[dict[str, Any]]:
@@ -38,6 +48,7 @@ def job_rows(sweep_dir: Path, objective: str = "eval/loss") -> list[dict[str, An
                 "job": job.name,
                 "overrides": " ".join(record.get("overrides", [])),
                 "status": record.get("status", "?"),
+                "placement": _placement(record),
                 "train/loss": metrics.get("train/loss"),
                 "eval/loss": metrics.get("eval/loss"),
                 **{m: metrics.get(m) for m in EVAL_METRICS},

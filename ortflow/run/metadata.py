@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ortflow.run.placement import placement
+
 
 def git_state(cwd: Path) -> dict[str, Any] | None:
     """Commit and dirtiness of the git checkout containing `cwd`, or None outside a checkout (or without git)."""
@@ -78,16 +80,21 @@ def start_record(config: dict[str, Any], overrides: list[str], seed: int) -> dic
     untested = untested_versions()
     # The compatibility patches the ORT engines apply on this torch (accel/compat/torch_patches.py, cpp_patches.py).
     patches = [patch.name for patch in [*torch_patches.needed(), *cpp_patches.needed()]]
-    return ({"untested_versions": untested} if untested else {}) | {
-        "status": "running",
-        "started": now(),
-        "command": [sys.executable, *sys.argv],
-        "overrides": overrides,
-        "cwd": os.getcwd(),
-        "git": git_state(Path.cwd()),
-        "seed": seed,
-        "host": host(),
-        "versions": versions(),
-        "torch_patches": patches,
-        "config": config,
-    }
+    where = placement()  # a job a launcher placed on another node or process
+    return (
+        ({"untested_versions": untested} if untested else {})
+        | ({"placement": where} if where else {})
+        | {
+            "status": "running",
+            "started": now(),
+            "command": [sys.executable, *sys.argv],
+            "overrides": overrides,
+            "cwd": os.getcwd(),
+            "git": git_state(Path.cwd()),
+            "seed": seed,
+            "host": host(),
+            "versions": versions(),
+            "torch_patches": patches,
+            "config": config,
+        }
+    )

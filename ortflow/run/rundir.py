@@ -177,8 +177,8 @@ def check_same_data(saved: dict[str, Any] | None, current: dict[str, Any], path:
 
 
 def _history(previous: dict[str, Any]) -> list[dict[str, Any]]:
-    """Earlier attempts in this run dir, oldest first, each as its status, times, error and metrics."""
-    keep = ("started", "finished", "status", "error", "command", "metrics", "resumed_from")
+    """Earlier attempts in this run dir, oldest first, each as its status, times, error, metrics and placement."""
+    keep = ("started", "finished", "status", "error", "command", "metrics", "resumed_from", "placement")
     return [*previous.get("attempts", []), {k: previous[k] for k in keep if k in previous}]
 
 

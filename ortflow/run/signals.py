@@ -5,8 +5,9 @@ asks for a checkpoint after the current step and a clean stop (exit status 0). A
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,22 @@ class StopRequest:
 class Preempted(Exception):
     """The run stopped on request after writing a checkpoint; continuing it is `trainer.resume=auto`."""
 
-    def __init__(self, step: int, checkpoint: str) -> None:
-        super().__init__(f"stopped by SIGTERM after step {step}; checkpoint {checkpoint}")
+    def __init__(self, step: int, checkpoint: str, signum: int = signal.SIGTERM) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint {checkpoint}")
         self.step = step
         self.checkpoint = checkpoint
 
 
+# A scheduler's own preemption handler (submitit's, on SIGUSR2: it requeues the job and exits), set aside while the
+# loop runs and handed the preemption once the checkpoint is written (hand_over_preemption).
+_scheduler: list[Callable[[int, Any], Any]] = []
+
+
 @contextmanager
 def stop_on_sigterm() -> Iterator[StopRequest]:
-    """While inside, SIGTERM only sets `.signal` on the yielded request (the previous handler returns after)."""
+    """While inside, SIGTERM only sets `.signal` on the yielded request (the previous handler returns after). So
+    does SIGUSR2 when the process has a Python handler for it: submitit's preemption signal (SLURM jobs it runs),
+    whose handler requeues the job and exits at once, mid-step; it is called after the checkpoint instead."""
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield request
@@ -48,13 +56,30 @@ def stop_on_sigterm() -> Iterator[StopRequest]:
     def handler(signum: int, _frame) -> None:
         request.signal = signum
         _asked.append(signum)
-        log.warning("SIGTERM received: writing a checkpoint after this step, then stopping")
+        log.warning("%s received: writing a checkpoint after this step, then stopping", signal.Signals(signum).name)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, handler)}
+    usr2 = getattr(signal, "SIGUSR2", None)
+    if usr2 is not None and callable(scheduler := signal.getsignal(usr2)):
+        previous[usr2] = signal.signal(usr2, handler)
+        _scheduler[:] = [scheduler]
     try:
         yield request
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def hand_over_preemption() -> None:
+    """After a run stopped on request with its checkpoint written: a scheduler that handles preemption itself
+    (submitit: requeue the job, then exit) gets it now. Returns only when there is none."""
+    if not _scheduler:
+        return
+    scheduler = _scheduler.pop()
+    usr2 = signal.SIGUSR2
+    signal.signal(usr2, signal.SIG_IGN)  # its own signal, if still on its way, must not requeue the job twice
+    log.info("handing the preemption to the scheduler's handler (submitit: requeue the job)")
+    scheduler(usr2, None)
 
 
 class Interrupted(BaseException):

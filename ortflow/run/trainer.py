@@ -4,6 +4,7 @@ Engine, and keeps its counters in a LoopState that checkpoints save and resumes 
 import itertools
 import logging
 import math
+import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -283,7 +284,7 @@ def train_loop(
             if save is not None and ((every and step % every == 0) or last or stopping):
                 path = save(state)
                 if stopping and not last:
-                    raise Preempted(step, path)
+                    raise Preempted(step, path, stop.signal or signal.SIGTERM)
             if early_stop:
                 break
     return _final(state, trainer, watch)

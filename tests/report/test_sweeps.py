@@ -202,3 +202,19 @@ def test_an_optuna_sweep_prunes_unpromising_trials_and_resumes(tmp_path):
     assert [t.state.name for t in trials][6] == "FAIL" and len(trials) == 9
     assert sum(t.state.name in ("COMPLETE", "PRUNED") for t in trials) == 8
     assert [r["job"] for r in summary(sweep_dir)] == ["0", "1", "2", "3", "4", "5", "7", "8"]
+
+
+def test_the_summary_names_where_a_launcher_ran_each_job(tmp_path):
+    from ortflow.report.sweep import write_summary
+
+    placements = [
+        {"launcher": "ray", "node_id": "5c8790c1" + "0" * 48, "host": "n1"},
+        {"launcher": "slurm", "job_id": "12", "host": "n2"},
+    ]
+    for job, where in enumerate(placements):
+        (tmp_path / str(job) / ".hydra").mkdir(parents=True)
+        record = {"status": "completed", "overrides": [f"seed={job}"], "metrics": {}, "placement": where}
+        (tmp_path / str(job) / "run.json").write_text(json.dumps(record))
+    rows = write_summary(tmp_path)
+    assert [r["placement"] for r in rows] == ["n1 node 5c8790c1", "n2 job 12"]
+    assert [r["placement"] for r in summary(tmp_path)] == ["n1 node 5c8790c1", "n2 job 12"]

@@ -137,6 +137,38 @@ def test_sigterm_checkpoints_after_the_current_step_and_stops():
     assert saved == [3] and stopped.value.step == 3
 
 
+def test_submitits_sigusr2_checkpoints_first_then_the_scheduler_requeues(monkeypatch):
+    """submitit's SIGUSR2 handler requeues the job and exits at once: inside the loop the signal stops the run after
+    its step's checkpoint, and the handler gets the preemption only then (hand_over_preemption)."""
+    from ortflow.run import signals
+
+    requeued = []
+
+    def submitit_handler(signum, frame):
+        requeued.append(signum)
+
+    class Signalling(FakeEngine):
+        def train_step(self, inputs, targets):
+            if len(self.trained) == 2:
+                os.kill(os.getpid(), signal.SIGUSR2)
+            return super().train_step(inputs, targets)
+
+    previous = signal.signal(signal.SIGUSR2, submitit_handler)
+    try:
+        saved = []
+        with pytest.raises(Preempted) as stopped:
+            run(Signalling([1.0] * 10), trainer(max_steps=10), save=lambda s: saved.append(s.step) or "ckpt")
+        assert saved == [3] and stopped.value.step == 3 and requeued == []  # the checkpoint came first
+        assert signal.getsignal(signal.SIGUSR2) is submitit_handler
+        signals.hand_over_preemption()
+        assert requeued == [signal.SIGUSR2]
+        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN  # a late SIGUSR2 cannot requeue the job twice
+        signals.hand_over_preemption()  # nothing left to hand over
+        assert requeued == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
 @pytest.mark.parametrize(
     ("name", "warmup", "expected"),
     [

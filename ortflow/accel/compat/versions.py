@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 MAX_ARTIFACTS_OPSET = 16
 
 # The versions this module's patches were written for and tested with: (lowest, highest) major.minor, inclusive.
-SUPPORTED = {"torch": ((2, 6), (2, 14)), "onnxruntime-training": ((1, 19), (1, 19)), "onnx": ((1, 16), (1, 16))}
+SUPPORTED = {"torch": ((2, 6), (2, 15)), "onnxruntime-training": ((1, 19), (1, 19)), "onnx": ((1, 16), (1, 16))}
 
 # Set to 1 to run on versions outside SUPPORTED anyway (run.json then records "untested_versions").
 ALLOW_UNTESTED = "ORTFLOW_ALLOW_UNTESTED_VERSIONS"

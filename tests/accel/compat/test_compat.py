@@ -18,7 +18,7 @@ def test_the_installed_stack_is_supported():
     versions.require_supported_versions()
 
 
-@pytest.mark.parametrize("torch_version", ["2.5.1", "2.15.0+cpu", "3.0.0"])
+@pytest.mark.parametrize("torch_version", ["2.5.1", "2.16.0+cpu", "3.0.0"])
 def test_an_unknown_torch_is_refused_naming_installed_and_supported(monkeypatch, torch_version):
     installed = {**versions.installed_versions(), "torch": torch_version}
     monkeypatch.setattr(versions, "installed_versions", lambda: installed)
@@ -26,7 +26,7 @@ def test_an_unknown_torch_is_refused_naming_installed_and_supported(monkeypatch,
     with pytest.raises(OrtflowError) as refused:
         versions.require_supported_versions()
     message = str(refused.value)
-    assert f"torch {torch_version}" in message and "torch 2.6 to 2.14" in message and versions.ALLOW_UNTESTED in message
+    assert f"torch {torch_version}" in message and "torch 2.6 to 2.15" in message and versions.ALLOW_UNTESTED in message
     assert "\n" not in message
     monkeypatch.setenv(versions.ALLOW_UNTESTED, "1")
     versions.require_supported_versions()  # the override lets a user try anyway
@@ -48,7 +48,7 @@ def test_patches_are_keyed_on_the_torch_version():
     assert names((2, 6), cpu_only=True) == ["no_nvtx_ranges_on_cpu_builds"]
     assert names((2, 13), cpu_only=True) == [patch.name for patch in torch_patches.PATCHES]
     assert [patch.name for patch in cpp_patches.needed((2, 6))] == ["dirty_inputs_by_grad_fn"]  # ORT's own bug
-    assert cpp_patches.needed((2, 7)) == cpp_patches.needed((2, 14)) == list(cpp_patches.PATCHES)
+    assert cpp_patches.needed((2, 7)) == cpp_patches.needed((2, 15)) == list(cpp_patches.PATCHES)
     for patch in [*torch_patches.PATCHES, *cpp_patches.PATCHES]:
         assert patch.reason and "\n" not in patch.reason
 

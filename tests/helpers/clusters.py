@@ -1,0 +1,339 @@
+"""Real clusters on this machine for the tests: a Ray head and a second Ray node (`ray start`), and a one-node SLURM
+(slurmctld, slurmd and munged from Debian's slurm-wlm and munge), each started by the test and stopped after it.
+
+Ray's processes talk to the address they resolve for their node, which on a machine with a network card is that
+card's address, not loopback. The Ray cluster therefore runs in a network namespace of its own that has only the
+loopback interface (`unshare -n`, entered with `nsenter`), so every connection stays on 127.0.0.1. Everything is
+stopped by process id: the processes each `ray start --block` started end with it.
+
+Outside CI a missing tool (ray, slurm-wlm, unshare) skips the tests with the reason; under CI=true it fails them."""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def require(ok: bool, reason: str) -> None:
+    """Skip (or, under CI, fail) a test whose cluster cannot be started here."""
+    if ok:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (.ci/run installs it)")
+    pytest.skip(reason)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_gone(process: subprocess.Popen, timeout: float = 30) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _started_at(pid: int) -> str | None:
+    """The process's start time (/proc/PID/stat), which tells it from a later process given the same pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _stop(node: subprocess.Popen, seen: dict[int, str | None]) -> None:
+    """A `ray start --block` and every process it started, also those seen earlier that outlived it (orphaned when
+    their raylet was killed): by pid, each checked to be the same process."""
+    left = {pid: _started_at(pid) for pid in _descendants(node.pid)} | seen
+    _wait_gone(node)
+    for pid, started in left.items():
+        if started is not None and _started_at(pid) == started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------------------------------------- Ray
+class RayCluster:
+    """A head and a second node (with the custom resource `second_node`), 1 CPU each, in a loopback-only network
+    namespace. `command(...)` runs a command inside it; `raylet_pid(node_id)` finds a node's raylet."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.nodes: list[subprocess.Popen] = []
+        self.seen: dict[subprocess.Popen, dict[int, str | None]] = {}  # each node's processes, as last seen
+        self.namespace = subprocess.Popen(["unshare", "-n", "sleep", "infinity"])
+        time.sleep(0.2)
+        subprocess.run(self.command("ip", "link", "set", "lo", "up"), check=True)
+        # Ray's session files: a short path (unix socket paths are limited to 107 characters).
+        self.temp = Path(f"/tmp/ortflow-ray-{os.getpid()}-{self.port}")
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        }
+
+    def command(self, *args: str) -> list[str]:
+        return ["nsenter", "-t", str(self.namespace.pid), "-n", *args]
+
+    def _start(self, *args: str) -> None:
+        log = (self.root / f"ray-node-{time.monotonic_ns()}.log").open("w")
+        common = ["--num-cpus=1", "--object-store-memory=80000000", "--disable-usage-stats", "--block"]
+        node = subprocess.Popen(
+            self.command(str(BIN / "ray"), "start", "--node-ip-address=127.0.0.1", *common, *args),
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.nodes.append(node)
+
+    def start(self) -> None:
+        self._start("--head", f"--port={self.port}", "--include-dashboard=false", f"--temp-dir={self.temp}")
+        self._wait_for_nodes(1)
+        self._start_second()
+
+    def _start_second(self) -> None:
+        self._start(f"--address={self.address}", '--resources={"second_node": 1}')
+        self._wait_for_nodes(2)
+
+    def restart_second(self) -> None:
+        """A new second node, after the last one was killed (what is left of it is stopped first)."""
+        node = self.nodes.pop()
+        _stop(node, self.seen.pop(node, {}))
+        self._start_second()
+
+    def nodes_alive(self) -> list[dict]:
+        """ray.nodes() as a driver in the namespace sees it."""
+        probe = (
+            f"import json, ray; ray.init(address='{self.address}', logging_level='ERROR', log_to_driver=False); "
+            "print('NODES', json.dumps([n for n in ray.nodes() if n['Alive']]))"
+        )
+        result = subprocess.run(
+            self.command(sys.executable, "-c", probe), env=self.env, capture_output=True, text=True, timeout=120
+        )
+        for line in result.stdout.splitlines():
+            if line.startswith("NODES "):
+                return json.loads(line[6:])
+        return []
+
+    def _wait_for_nodes(self, count: int, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(node.poll() is not None for node in self.nodes):
+                raise RuntimeError(f"a Ray node did not start: {self.logs()}")
+            if len(self.nodes_alive()) >= count:
+                for node in self.nodes:
+                    self.seen[node] = {pid: _started_at(pid) for pid in _descendants(node.pid)}
+                return
+            time.sleep(1)
+        raise RuntimeError(f"the Ray cluster did not reach {count} nodes: {self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text()[-2000:] for p in sorted(self.root.glob("ray-node-*.log")))
+
+    def raylet_pid(self, node_id: str) -> int:
+        """The pid of the raylet of node `node_id` (one of the processes its `ray start` started)."""
+        for node in self.nodes:
+            for pid in _descendants(node.pid):
+                line = _cmdline(pid)
+                if "raylet" in line.split(" ", 1)[0] and f"--node_id={node_id}" in line:
+                    return pid
+        raise LookupError(f"no raylet of node {node_id}")
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):
+            _stop(node, self.seen.get(node, {}))
+        _wait_gone(self.namespace)
+        if not os.environ.get("ORTFLOW_KEEP_RAY_LOGS"):
+            shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def ray_available() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("unshare") is not None and shutil.which("nsenter") is not None
+
+
+@contextlib.contextmanager
+def ray_cluster(root: Path) -> Iterator[RayCluster]:
+    require(ray_available(), "the Ray cluster tests need ray (pip install 'ortflow[ray]') and util-linux's unshare")
+    require(
+        subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0,
+        "the Ray cluster tests need a network namespace (unshare -n, as root)",
+    )
+    cluster = RayCluster(root)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+# ------------------------------------------------------------------------------------------------------- SLURM
+SLURM_CONF = """\
+ClusterName=ortflowtest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+AuthType=auth/munge
+AuthInfo=socket={root}/munge/socket
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+JobRequeue=1
+SchedulerType=sched/builtin
+NodeName=ortflownode NodeHostname={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 State=UNKNOWN
+PartitionName=test Nodes=ortflownode Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class SlurmCluster:
+    """One SLURM node on this machine (partition `test`, all its CPUs), its controller and munge, each a process of
+    the test's own with its files in `root`; `env` points SLURM's commands (sbatch, squeue, scancel) at it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.processes: list[subprocess.Popen] = []
+        self.env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
+        self.env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+        self.env["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
+
+    def _daemon(self, *command: str) -> None:
+        log = (self.root / f"{Path(command[0]).name}.out").open("w")
+        self.processes.append(subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+
+    def start(self) -> None:
+        munge = self.root / "munge"
+        munge.mkdir(mode=0o755)
+        for folder in ("state", "spool"):
+            (self.root / folder).mkdir()
+        subprocess.run(["mungekey", "--create", f"--keyfile={munge / 'munge.key'}"], check=True)
+        files = [f"--{name}-file={munge / name}" for name in ("pid", "log", "seed")]
+        self._daemon(
+            "munged",
+            "--foreground",
+            "--force",
+            f"--socket={munge / 'socket'}",
+            f"--key-file={munge / 'munge.key'}",
+            *files,
+        )
+        settings = {"host": socket.gethostname(), "root": self.root, "cpus": os.cpu_count() or 1}
+        settings |= {"ctld_port": free_port(), "d_port": free_port()}
+        (self.root / "slurm.conf").write_text(SLURM_CONF.format(**settings))
+        self._wait(lambda: (munge / "socket").exists(), "munged")
+        self._daemon("slurmctld", "-D", "-f", self.env["SLURM_CONF"])
+        self._daemon("slurmd", "-D", "-f", self.env["SLURM_CONF"], "-N", "ortflownode")
+        self._wait(lambda: self.sinfo() == "idle", "the node to be idle")
+
+    def sinfo(self) -> str:
+        result = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True)
+        return result.stdout.strip()
+
+    def _wait(self, ready, what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.processes):
+                logs = "\n".join(p.read_text()[-2000:] for p in sorted(self.root.glob("*.out")))
+                raise RuntimeError(f"SLURM did not start ({what}):\n{logs}")
+            time.sleep(0.5)
+
+    def jobs(self) -> str:
+        result = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=self.env, capture_output=True, text=True)
+        return result.stdout.strip()
+
+    def start_requeued_now(self, job_id: str, timeout: float = 120) -> None:
+        """SLURM holds a requeued job for about 2 minutes (its begin time); once `job_id` is back in the queue, move
+        that to now, so the test does not wait."""
+
+        def pending_again() -> bool:
+            shown = subprocess.run(["scontrol", "show", "job", job_id], env=self.env, capture_output=True, text=True)
+            return "JobState=PENDING" in shown.stdout and "Restarts=0" not in shown.stdout
+
+        self._wait(pending_again, f"job {job_id} to be requeued", timeout)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=self.env, check=True)
+
+    def stop(self) -> None:
+        subprocess.run(["scancel", "--partition=test"], env=self.env, capture_output=True)
+        with contextlib.suppress(RuntimeError):  # the jobs' processes end before slurmd does
+            self._wait(lambda: not self.jobs(), "the jobs to end", timeout=60)
+        for process in reversed(self.processes):
+            _wait_gone(process)
+
+
+def slurm_available() -> bool:
+    return all(shutil.which(tool) for tool in ("slurmctld", "slurmd", "sbatch", "munged", "mungekey"))
+
+
+@contextlib.contextmanager
+def slurm_cluster(root: Path) -> Iterator[SlurmCluster]:
+    require(
+        slurm_available(),
+        "the SLURM tests need Debian's slurm-wlm and munge (apt-get install slurm-wlm munge) and submitit",
+    )
+    require(os.geteuid() == 0, "the SLURM tests start slurmd, which runs jobs as root here")
+    cluster = SlurmCluster(root)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
