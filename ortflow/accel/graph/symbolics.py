@@ -11,6 +11,9 @@
   "ONNX export of instance_norm for unknown channel size"), which ORTModule's export, every input dimension
   dynamic, does not have. These compute the same batch statistics, and the same ones/zeros for a missing weight and
   bias, from the tensor's shape at run time.
+- `aten::softplus`: written out in ops ORT differentiates with the module's beta and threshold
+  (accel/graph/activations.py). torch's own symbolic writes ONNX's Softplus, which has no threshold (and which ORT
+  cannot differentiate anyway).
 
 torch keeps custom symbolics per opset for the whole process, and has no way to read one back. So each is registered
 once per opset as a dispatcher: inside `ort_export` it does the above, outside it (ortflow's own inference export,
@@ -28,7 +31,7 @@ import torch
 from torch.onnx import symbolic_helper
 
 from ortflow.accel.compat import ort, ortmodule_patches, torch_onnx
-from ortflow.accel.graph import aten_conv, aten_gemm, aten_layer_norm, aten_upsample
+from ortflow.accel.graph import activations, aten_conv, aten_gemm, aten_layer_norm, aten_upsample
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,26 @@ def _layer_norm(g, *args):
     return torch_onnx.torch_symbolic("symbolic_opset17" if g.opset >= 17 else "symbolic_opset9", "layer_norm")(g, *args)
 
 
+def _softplus(g, self, beta, threshold):
+    """torch's softplus(x, beta, threshold) in an ORT export; ORT's symbolic or torch's own outside it."""
+    native = ort.ort_symbolic("::softplus") or torch_onnx.torch_symbolic("symbolic_opset9", "softplus")
+    beta_value = symbolic_helper._maybe_get_const(beta, "f")
+    threshold_value = symbolic_helper._maybe_get_const(threshold, "f")
+    constants = all(isinstance(v, float | int) for v in (beta_value, threshold_value))
+    if _ACTIVE.get() is None or not constants:
+        return native(g, self, beta, threshold)
+    scalar_type = symbolic_helper._try_get_scalar_type(self)  # the constants take the input's type
+    dtype = scalar_type.dtype() if scalar_type is not None else torch.float32
+
+    def emit(op: str, inputs: list, attributes: dict):
+        return g.op(op, *inputs)
+
+    def const(value: float):
+        return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
+
+    return activations.softplus(emit, const, self, float(beta_value), float(threshold_value))
+
+
 def _gemm(name: str, bf16_symbolic: Callable[[Any], Any]) -> Callable[..., Any]:
     """The `aten::<name>` dispatcher: accel/graph/aten_gemm.py's bf16 ATen node in a bf16 ORT export, otherwise ORT's
     symbolic where ORTModule registered one, else torch's own."""
@@ -163,6 +186,7 @@ SYMBOLICS: dict[str, Callable[..., Any]] = {
     "::batch_norm": batch_norm,
     "::instance_norm": instance_norm,
     "::layer_norm": _layer_norm,
+    "::softplus": _softplus,
 }
 
 
