@@ -25,6 +25,7 @@ SHARED_RUN_DIR = "ORTFLOW_SHARED_RUN_DIR"
 # How ortflow started its ranks ("forkserver"); unset under a torchrun started by hand.
 RANK_START = "ORTFLOW_RANK_START"
 START_METHOD = "forkserver"  # multiprocessing's fork server, which preloads ortflow/run/rank_server.py
+USER_ERROR = 2  # a rank's exit status for an error the user can fix (one paragraph, as the command's own)
 
 
 def ranks_started_by() -> str:
@@ -132,9 +133,12 @@ def run_torchrun(
         try:
             elastic_launch(config, entrypoint=run_rank)(rank_main, rank_args, dict(os.environ))
         except ChildFailedError as err:  # what torchrun prints: each failed rank, its exit code, its error
-            stopped = all(f.exitcode == 128 + signal.SIGTERM for f in err.failures.values())
-            if not stopped:  # ranks that stopped on SIGTERM after their checkpoint have not failed
-                print(err.format_msg(), file=sys.stderr, flush=True)
+            codes = {f.exitcode for f in err.failures.values()}
+            if codes <= {128 + signal.SIGTERM}:  # ranks that stopped on SIGTERM after their checkpoint have not failed
+                return 1
+            if USER_ERROR in codes and codes <= {USER_ERROR, 128 + signal.SIGTERM, -signal.SIGTERM}:
+                return USER_ERROR  # a user's error (its paragraph printed by the rank), the others stopped with it
+            print(err.format_msg(), file=sys.stderr, flush=True)
             return 1
         except SignalException as err:  # the ranks were passed the signal and have ended
             return 128 + int(err.sigval)

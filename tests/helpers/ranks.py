@@ -32,3 +32,8 @@ def meet(args: list[str]) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def exit_with(args: list[str]) -> None:
+    """End with the exit status args[0], as a rank whose command failed does (2: a user's error)."""
+    raise SystemExit(int(args[0]))

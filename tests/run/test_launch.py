@@ -80,3 +80,13 @@ def test_two_rank_launches_under_cpu_load_fork_every_rank_from_one_thread(tmp_pa
         # The agent's variables are there, the server's own OPENBLAS_NUM_THREADS=1 is not (unless the command's)
         assert all(r["master_port"] and r["openblas"] == os.environ.get("OPENBLAS_NUM_THREADS") for r in reports)
     print(f"{launches} two-rank launches under load: {min(times):.2f}-{max(times):.2f} s each")
+
+
+@pytest.mark.slow
+def test_ranks_that_all_stop_on_a_users_error_end_the_launch_with_2(tmp_path):
+    """Exit status 2 is a user's error, its paragraph printed by each rank (a token file changed since it was
+    prepared stops every rank at the same step): the command ends with 2 too, as a single process would. Any other
+    failure is 1."""
+    cfg = make_cfg("distributed=ddp", "distributed.nproc_per_node=2")
+    assert launch.run_torchrun(cfg, tmp_path, ["2"], [], ranks.exit_with) == 2
+    assert launch.run_torchrun(cfg, tmp_path, ["3"], [], ranks.exit_with) == 1
