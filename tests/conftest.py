@@ -140,6 +140,15 @@ def ortflow_cli(monkeypatch, capfd):
     return run
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--launches",
+        type=int,
+        default=5,
+        help="two-rank launches the launch stress test runs under CPU load (tests/run/test_launch.py; 30 to stress)",
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The end-to-end runs (`slow`) first, the quick tests after them: the workers then finish together instead of
     one running a long test while the others have run out of work. The order is the same in every worker (stable).

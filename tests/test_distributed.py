@@ -100,7 +100,7 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(accel, tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     info = record(tmp_path / "two")["engine"]
     assert info["world_size"] == 2 and info["replicas_identical"]  # parameters bitwise equal on both ranks
-    assert info["ranks_started_by"] == "fork"  # from the command, whose imports were done
+    assert info["ranks_started_by"] == "forkserver"  # by the rank fork server, whose imports were done
     expected = "onnxruntime" if accel == "ortmodule" else "pytorch"
     assert info["ranks_executed_by"] == [expected, expected]
     a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
@@ -217,7 +217,7 @@ def test_a_ddp_ortmodule_run_leaves_no_threads_to_interpreter_shutdown(tmp_path)
 @pytest.mark.slow
 def test_a_sweep_of_ddp_jobs_makes_one_dir_per_job(tmp_path):
     """Job 0 trains in the command's process (one rank) with two intra-op threads, so torch's OpenMP threads start
-    there; they then make job 1's ranks start as fresh interpreters, not forked ones."""
+    there; job 1's ranks are still forked by the rank fork server, a process with one thread, never by the command."""
     sweep = ["distributed.nproc_per_node=1,2", "hydra.sweep.dir=sweep"]
     args = ["-m", *SMALL, "distributed=ddp", "data.batch_size=8", *sweep]
     result = run_cli(*args, cwd=tmp_path, env={"OMP_NUM_THREADS": "2"})
@@ -226,7 +226,7 @@ def test_a_sweep_of_ddp_jobs_makes_one_dir_per_job(tmp_path):
     assert jobs == ["0", "1"]
     assert all(record(tmp_path / "sweep" / job)["status"] == "completed" for job in jobs)
     two = record(tmp_path / "sweep" / "1")["engine"]
-    assert two["world_size"] == 2 and two["ranks_started_by"] == "spawn" and two["replicas_identical"]
+    assert two["world_size"] == 2 and two["ranks_started_by"] == "forkserver" and two["replicas_identical"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no stray run dirs
 
 

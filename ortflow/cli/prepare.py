@@ -4,6 +4,7 @@ overrides would (and then finds it there). Takes the overrides `ortflow` takes; 
     ortflow-prepare data.source=/corpus data.tokenizer=bpe data.bpe_vocab_size=8192
     ortflow-prepare +recipe=transformer_bpe                    # what that recipe trains on
     ortflow-prepare data.source=/corpus/shard.parquet data.text_field=content data.cache_dir=/fast/disk/tokens
+    ortflow-prepare --force data.source=/corpus       # again, replacing a prepared store whose files changed
 
 Prints the prepared folder (a `data.source` in its own right) and its manifest's counts; exit status 2 with one
 paragraph for a bad source, tokenizer or disk, nothing prepared before lost.
@@ -48,6 +49,9 @@ def _compose(overrides: list[str]):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ortflow-prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="data.source=... data.tokenizer=... (as for `ortflow`)")
+    parser.add_argument(
+        "--force", action="store_true", help="prepare again even if the cache holds it (a store whose files changed)"
+    )
     args = parser.parse_args(argv)
     # ortflow's warnings on the terminal; other libraries' notices (pyarrow, datasets, tokenizers) in a log file.
     log_file = Path("outputs") / "prepare" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.log"
@@ -61,7 +65,7 @@ def _prepare(args: argparse.Namespace) -> None:
 
         cfg = _compose(args.overrides)
         settings = PrepareSettings.from_config(OmegaConf.to_container(cfg.data, resolve=True))
-        store = open_or_prepare(settings)
+        store = open_or_prepare(settings, force=args.force)
     except OrtflowError as err:
         text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
         print(f"ortflow-prepare: error: {text}", file=sys.stderr)

@@ -94,6 +94,7 @@ def _main(cfg: DictConfig) -> float:
         cfg.trainer.resume = "auto"
         continued = ["trainer.resume=auto"]
     if launch.needs_launch(cfg):
+        launch.start_rank_server(cfg, rank_main)  # its imports overlap the checks and the rendezvous
         try:
             validate(cfg)  # the wrapper order and launch settings, before any process starts
         except OrtflowError as err:
@@ -172,7 +173,6 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], hydra_override
 
 @record_errors
 def main() -> None:
-    launch.command_started()
     try:
         preflight.check(sys.argv[1:])
         sys.argv += launch.rank_overrides(sys.argv[1:])
@@ -188,15 +188,13 @@ def main() -> None:
         release_held()  # the dirs this command claimed (exiting releases them too; a caller in-process goes on)
 
 
-def rank_main(args: list[str], agent: int) -> None:
-    """One rank, in the process the agent started for it: the `ortflow ARGS` command, as torchrun would start it.
+def rank_main(args: list[str]) -> None:
+    """One rank, in the process the launch's rank fork server forked for it (ortflow.run.launch.run_rank): the
+    `ortflow ARGS` command, as torchrun would start it.
 
-    Forked, this process holds the launching command's state: it ends with the agent as torchrun's ranks do, takes
-    the default signal handlers back from the agent's, leaves the run dir's lock to its owner and reads its thread
-    count from OMP_NUM_THREADS again. It ends with the command's status; a rank stopped by SIGTERM (checkpoint
-    written) ends with 143, which the launching command reads as a stop: the run's record says "preempted"."""
-    if not launch.end_with_parent(agent):  # the agent died before this rank started
-        os._exit(128 + signal.SIGTERM)
+    It takes the default signal handlers back, leaves any run dir's lock to its owner and reads its thread count from
+    OMP_NUM_THREADS again. It ends with the command's status; a rank stopped by SIGTERM (checkpoint written) ends
+    with 143, which the launching command reads as a stop: the run's record says "preempted"."""
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)

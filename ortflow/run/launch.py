@@ -1,5 +1,6 @@
-"""Starting the processes of a multi-process run: ortflow runs torchrun's agent itself (`ortflow ... distributed=ddp`),
-or the user runs `torchrun ... -m ortflow ...`. Either way all ranks share one run dir, and only rank 0 writes to it."""
+"""Starting the processes of a multi-process run: ortflow runs torchrun's agent itself (`ortflow ... distributed=ddp`)
+and forks the ranks from a fork server with one thread (ortflow/run/rank_server.py), or the user runs
+`torchrun ... -m ortflow ...`. Either way all ranks share one run dir, and only rank 0 writes to it."""
 
 import contextlib
 import ctypes
@@ -15,17 +16,20 @@ from omegaconf import DictConfig
 
 from ortflow import distributed
 from ortflow.errors import OrtflowError
+from ortflow.run import rank_server
 
 log = logging.getLogger(__name__)
 
 # Set for the ranks ortflow starts: the run dir is already the parent's (no guard against an existing run there).
 SHARED_RUN_DIR = "ORTFLOW_SHARED_RUN_DIR"
-# How ortflow started its ranks ("fork" or "spawn", start_method); unset under a torchrun started by hand.
+# How ortflow started its ranks ("forkserver"); unset under a torchrun started by hand.
 RANK_START = "ORTFLOW_RANK_START"
+START_METHOD = "forkserver"  # multiprocessing's fork server, which preloads ortflow/run/rank_server.py
+USER_ERROR = 2  # a rank's exit status for an error the user can fix (one paragraph, as the command's own)
 
 
 def ranks_started_by() -> str:
-    """How this process's rank was started: forked or spawned by ortflow's launch, or by a torchrun run by hand."""
+    """How this process's rank was started: forked by ortflow's rank fork server, or by a torchrun run by hand."""
     return os.environ.get(RANK_START, "torchrun")
 
 
@@ -89,18 +93,17 @@ def run_torchrun(
     run_dir: Path,
     overrides: list[str],
     hydra_overrides: list[str],
-    rank_main: Callable[[list[str], int], None],
+    rank_main: Callable[[list[str]], None],
 ) -> int:
     """Run this run's ranks under torchrun's agent, all in `run_dir`; return the launch's exit status (0: every rank
     of this node ended with 0).
 
     The agent runs in this process, with torchrun's own arguments and defaults (`torch.distributed.run`), and starts
-    each rank as `rank_main(ARGS, agent pid)`, which runs `ortflow ARGS` (ortflow.cli.train.rank_main). The ranks
-    are forked from this process, whose imports are done: a rank starts in a fraction of a second instead of
-    importing torch, Hydra and ONNX Runtime again. Forking is safe only while no thread has started here since the
-    command did (`start_method`); otherwise (a sweep whose earlier job trained in this process) the ranks start as
-    fresh interpreters. SIGTERM and SIGINT reach the agent, which passes them to every rank (they checkpoint and
-    stop)."""
+    each rank as `rank_main(ARGS)`, which runs `ortflow ARGS` (ortflow.cli.train.rank_main). The ranks are forked by
+    the rank fork server (`start_rank_server`, ortflow/run/rank_server.py), a process with one thread whose imports
+    are done: a rank starts in a fraction of a second instead of importing torch, Hydra and ONNX Runtime again, and
+    is never forked from this process, whose agent runs threads. SIGTERM and SIGINT reach the agent, which passes
+    them to every rank (they checkpoint and stop)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -123,19 +126,19 @@ def run_torchrun(
         ]
     passed = [o for o in hydra_overrides if o.startswith("hydra.searchpath=")]
     rank_args = [*overrides, *passed, f"hydra.run.dir={run_dir}"]
-    # One intra-op thread per rank unless set: measured 2-7x faster per step than oversubscribing the cores.
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // d.nproc_per_node))
-    method = start_method()
-    environ = {SHARED_RUN_DIR: "1", RANK_START: method, "OMP_NUM_THREADS": threads}
-    with _environ(environ), _signals_restored(), _no_agent_tracebacks():
-        argv += [f"--start_method={method}", "-m", "ortflow", *rank_args]
+    start_rank_server(cfg, rank_main)  # a no-op when the command started it as soon as it knew
+    with _environ(rank_environ(cfg)), _signals_restored(), _no_agent_tracebacks():
+        argv += [f"--start_method={START_METHOD}", "-m", "ortflow", *rank_args]
         config, _, _ = torchrun.config_from_args(torchrun.parse_args(argv))
         try:
-            elastic_launch(config, entrypoint=rank_main)(rank_args, os.getpid())
+            elastic_launch(config, entrypoint=run_rank)(rank_main, rank_args, dict(os.environ))
         except ChildFailedError as err:  # what torchrun prints: each failed rank, its exit code, its error
-            stopped = all(f.exitcode == 128 + signal.SIGTERM for f in err.failures.values())
-            if not stopped:  # ranks that stopped on SIGTERM after their checkpoint have not failed
-                print(err.format_msg(), file=sys.stderr, flush=True)
+            codes = {f.exitcode for f in err.failures.values()}
+            if codes <= {128 + signal.SIGTERM}:  # ranks that stopped on SIGTERM after their checkpoint have not failed
+                return 1
+            if USER_ERROR in codes and codes <= {USER_ERROR, 128 + signal.SIGTERM, -signal.SIGTERM}:
+                return USER_ERROR  # a user's error (its paragraph printed by the rank), the others stopped with it
+            print(err.format_msg(), file=sys.stderr, flush=True)
             return 1
         except SignalException as err:  # the ranks were passed the signal and have ended
             return 128 + int(err.sigval)
@@ -145,28 +148,39 @@ def run_torchrun(
     return 0
 
 
-def _threads() -> int | None:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:  # not Linux
-        return None
+def rank_environ(cfg: DictConfig) -> dict[str, str]:
+    """What the launch adds to the ranks' environment: the shared run dir, how they started, their intra-op threads
+    (one core each unless OMP_NUM_THREADS is set: measured 2-7x faster per step than oversubscribing the cores)."""
+    per_rank = max(1, (os.cpu_count() or 1) // cfg.distributed.nproc_per_node)
+    threads = os.environ.get("OMP_NUM_THREADS") or str(per_rank)
+    return {SHARED_RUN_DIR: "1", RANK_START: START_METHOD, "OMP_NUM_THREADS": threads}
 
 
-_threads_at_start: list[int] = []  # the command's threads when it started (its imports done), Linux
+def start_rank_server(cfg: DictConfig, rank_main: Callable[[list[str]], None]) -> None:
+    """Start the process the ranks are forked from, unless it runs (ortflow/run/rank_server.py): a fresh interpreter
+    that imports the module of `rank_main` and the runner, then waits. Returns at once: its imports (a few seconds)
+    overlap the command's own work until the agent asks for the ranks. It starts with the launch's environment; each
+    rank gets the command's back at the launch (`run_rank`). The server lives as long as this process (a sweep's
+    later jobs reuse it) and ends with it, by kill -9 too (it reads end-of-file on a pipe from this process)."""
+    with _environ(rank_environ(cfg)):
+        rank_server.start([rank_main.__module__, "ortflow.run.runner"])
 
 
-def command_started() -> None:
-    """Called first by the `ortflow` command: the threads it has now (numpy's OpenBLAS pool, which is fork-safe)
-    are the ones a process may have for its ranks to be forked from it."""
-    if (count := _threads()) is not None:
-        _threads_at_start[:] = [count]
+def run_rank(rank_main: Callable[[list[str]], None], args: list[str], environ: dict[str, str]) -> None:
+    """One rank, in the process the rank fork server forked for it: checked to come from a process with one thread,
+    set to end with that server (which ends with the command), given the command's environment (`environ`) plus what
+    the agent set for this rank, then `rank_main(args)`.
 
-
-def start_method() -> str:
-    """How the agent starts the ranks: `fork` while nothing has started a thread since the command started (no
-    torch kernel has run in this process, no job of a sweep has trained in it), else `spawn`."""
-    count = _threads()
-    return "fork" if count is not None and _threads_at_start and count <= _threads_at_start[0] else "spawn"
+    Raises:
+        RuntimeError: the server had another thread when it forked this rank (a bug in ortflow).
+    """
+    rank_server.check_forked_alone()
+    if not end_with_parent(rank_server.SERVER_PID):  # the server (so the command) died before this rank started
+        os._exit(128 + signal.SIGTERM)
+    merged = rank_server.rank_environ(environ)
+    os.environ.clear()
+    os.environ.update(merged)
+    rank_main(args)
 
 
 @contextlib.contextmanager

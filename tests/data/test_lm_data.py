@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -217,7 +218,7 @@ def test_the_token_dtype_fits_the_vocabulary(folder, tmp_path):
 def test_the_manifest_records_sources_tokenizer_counts_and_settings(folder, tmp_path):
     store = prepare(settings(folder, tmp_path, tokenizer="bpe", bpe_vocab_size=400, val_fraction=0.2))
     m = json.loads((store.path / MANIFEST).read_text())
-    assert m["format"] == "ortflow-tokens" and m["version"] == 1 and m["ortflow_version"]
+    assert m["format"] == "ortflow-tokens" and m["version"] == 2 and m["ortflow_version"]
     assert m["fingerprint"] == fingerprint(m)
     tok = m["tokenizer"]
     assert tok["kind"] == "bpe" and tok["file"] == "tokenizer.json" and tok["separator"] == 0
@@ -227,6 +228,10 @@ def test_the_manifest_records_sources_tokenizer_counts_and_settings(folder, tmp_
     for name in ("train", "val"):
         n = splits[name]["tokens"]
         assert (store.path / splits[name]["file"]).stat().st_size == 2 * n > 0
+        sums = splits[name]["checksums"]  # one CRC-32 per block, of the file as written
+        data = (store.path / splits[name]["file"]).read_bytes()
+        blocks = [data[i : i + sums["block_bytes"]] for i in range(0, len(data), sums["block_bytes"])]
+        assert sums["crc32"] == "".join(f"{zlib.crc32(block):08x}" for block in blocks)
     docs_bytes = sum(len(d.encode()) for d in DOCS) + len(DOCS) - 1  # separators count as bytes
     assert splits["train"]["bytes"] + splits["val"]["bytes"] == docs_bytes
     assert abs(m["val_fraction_actual"] - 0.2) < 0.05
@@ -385,7 +390,7 @@ def test_a_token_file_of_another_dtype_is_refused_by_name(prepared):
 def test_a_manifest_from_a_newer_format_is_refused_by_name(prepared):
     manifest = json.loads((prepared / MANIFEST).read_text())
     (prepared / MANIFEST).write_text(json.dumps({**manifest, "version": 99}))
-    _expect(prepared, r"manifest.json' has format version 99, newer than this ortflow reads \(1\)")
+    _expect(prepared, r"manifest.json' has format version 99, newer than this ortflow reads \(2\)")
 
 
 def test_a_tokenizer_file_changed_after_preparing_is_refused(prepared):

@@ -234,15 +234,33 @@ def test_nodes_that_never_come_end_the_launch_with_the_reason(tmp_path):
     assert "did not all join the rendezvous at 127.0.0.1:29731 within distributed.rdzv_timeout_s=2" in result.stderr
 
 
-def _ranks_of(run_dir: Path) -> list[int]:
-    pids = []
+def _state_and_parent(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and parent pid (Linux: /proc/PID/stat), None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    state, parent = stat[stat.rindex(")") + 2 :].split()[:2]
+    return state, int(parent)
+
+
+def _alive(pid: int) -> bool:
+    found = _state_and_parent(pid)
+    return found is not None and found[0] != "Z"  # a zombie has ended, waiting to be reaped
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs, still alive."""
+    parents: dict[int, int] = {}
     for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and str(run_dir) in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                pids.append(int(proc.name))
-        except OSError:
-            continue
-    return pids
+        if proc.name.isdigit() and (stat := _state_and_parent(int(proc.name))) and stat[0] != "Z":
+            parents[int(proc.name)] = stat[1]
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def _wait_for(condition, timeout: float = 120.0) -> None:
@@ -259,10 +277,11 @@ def test_the_processes_ortflow_starts_end_when_it_is_killed(tmp_path):
     args = [*TINY, "trainer.max_steps=100000", "distributed=ddp", f"hydra.run.dir={run_dir}"]
     parent = subprocess.Popen([sys.executable, "-m", "ortflow", *args], cwd=tmp_path, stderr=subprocess.DEVNULL)
     _wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0)
-    assert len(_ranks_of(run_dir)) >= 3  # the command (torchrun's agent) and its 2 ranks
+    started = _descendants(parent.pid)
+    assert len(started) >= 3  # the rank fork server and its 2 ranks
     parent.kill()
     parent.wait()
-    _wait_for(lambda: not _ranks_of(run_dir), timeout=60)
+    _wait_for(lambda: not [pid for pid in started if _alive(pid)], timeout=60)
 
 
 @pytest.mark.slow

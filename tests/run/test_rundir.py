@@ -1,9 +1,8 @@
 """The run dir's owner in-process: checkpoint writing, pruning and partial writes, restore into a fresh engine,
-attempt history, ranks other than 0; the per-rank overrides torchrun ranks get, and how ortflow starts them."""
+attempt history, ranks other than 0; the per-rank overrides torchrun ranks get (how ortflow starts them:
+tests/run/test_launch.py)."""
 
 import json
-import os
-import threading
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from ortflow.accel.none import build as build_eager
 from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
 from ortflow.errors import OrtflowError
-from ortflow.run import checkpoint, launch
+from ortflow.run import checkpoint
 from ortflow.run.launch import rank_overrides
 from ortflow.run.rundir import RunDir
 from ortflow.run.trainer import LoopState
@@ -168,19 +167,3 @@ def test_tied_weights_are_written_once_whatever_engine_copied_them():
     restored = Tied()
     restored.load_state_dict(shared)
     assert restored.head.weight is restored.embed.weight and torch.equal(restored.embed.weight, model.embed.weight)
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc")
-def test_ranks_are_forked_only_while_no_thread_has_started_since_the_command(monkeypatch):
-    monkeypatch.setattr(launch, "_threads_at_start", [])
-    assert launch.start_method() == "spawn"  # not the command (the Python API, a user's process): never forked
-    launch.command_started()
-    assert launch.start_method() == "fork"
-    stop = threading.Event()
-    pool = threading.Thread(target=stop.wait)  # a thread pool, as a job that trained in this process leaves
-    pool.start()
-    try:
-        assert launch.start_method() == "spawn"
-    finally:
-        stop.set()
-        pool.join()

@@ -1,50 +1,48 @@
-"""ONNX ops ONNX Runtime 1.19 cannot differentiate, written out exactly in ops it can (a graph fix both ORT engines
-apply to every exported forward graph, `graph_fixes.ops_without_gradient_decomposed`).
+"""ONNX ops ONNX Runtime 1.19 cannot differentiate, written out in ops it can (a graph fix both ORT engines apply to
+every exported forward graph, `graph_fixes.ops_without_gradient_decomposed`).
 
 ORT registers no gradient builder for these ops ("The gradient builder has not been registered: HardSwish"; the
 full list, measured: docs/ort-gradients.md, `python -m ortflow.accel.graph.gradient_survey`), so torchvision's
 MobileNetV3 (nn.Hardswish, nn.Hardsigmoid), SELU networks, Mish (Softplus), sub-pixel upsampling (nn.PixelShuffle)
-and einsums could not train. Each rewrite computes the op's ONNX definition with ops ORT differentiates (Clip, Mul,
-Add, Exp, Log, Where, Min, Relu, Reshape, Transpose, MatMul), so the graph stays torch-free (the artifacts engine
-needs no torch at training time). Exponentials take `Min(x, 0)` (or `Min(x, threshold)`) so that the
-branch Where discards never overflows: an infinite value there would turn its zero gradient into NaN.
+and einsums could not train. Each rewrite computes the op with ops ORT differentiates (Where, Mul, Add, Exp, Log,
+Reshape, Transpose, MatMul, ...), so the graph stays torch-free (the artifacts engine needs no torch at training
+time). The activations follow torch's float32 kernels (accel/graph/activations.py): values and gradients within 3
+ulp of torch's over |x| <= 100, as measured in docs/ort-gradients.md.
 
 | ONNX op (torch layer) | written as |
 |---|---|
-| HardSigmoid(alpha, beta) (nn.Hardsigmoid) | Clip(alpha * x + beta, 0, 1) |
-| HardSwish (nn.Hardswish) | x * Clip(x / 6 + 0.5, 0, 1) |
-| Elu(alpha) (nn.ELU) | Where(x > 0, x, alpha * (Exp(Min(x, 0)) - 1)) |
-| Selu(alpha, gamma) (nn.SELU) | gamma * Elu(alpha) |
-| Celu(alpha) (nn.CELU) | Where(x > 0, x, alpha * (Exp(Min(x, 0) / alpha) - 1)) |
-| Softplus (nn.Softplus, nn.Mish) | Where(x > 20, x, Log(Exp(Min(x, 20)) + 1)), torch's own threshold |
-| PRelu(x, slope) (nn.PReLU) | Relu(x) - slope * Relu(-x) |
+| HardSigmoid(alpha, beta) (nn.Hardsigmoid) | torch's: Where(x <= -3, 0, Where(x >= 3, 1, (x + 3) / 6)) |
+| HardSwish (nn.Hardswish) | Where(x <= -3, 0, Where(x >= 3, x * 6 / 6, x * (x + 3) / 6)) |
+| Elu(alpha) (nn.ELU) | Where(x > 0, x, alpha * expm1(x <= 0 part)), expm1 a Taylor polynomial near 0 |
+| Selu(alpha, gamma) (nn.SELU) | Where(x > 0, gamma * x, (alpha * gamma) * expm1(...)) |
+| Celu(alpha) (nn.CELU) | Where(x > 0, x, alpha * expm1(... / alpha)) |
+| Softplus (nn.Mish; nn.Softplus by ortflow's symbolic) | max(x, 0) + log1p(exp(-abs(x))), log1p compensated |
+| PRelu(x, slope) (nn.PReLU) | Where(x > 0, x, slope * x) |
 | DepthToSpace(blocksize, mode) (nn.PixelShuffle) | Reshape, Transpose, Reshape: ONNX's own definition of it |
 | Einsum(equation) (torch.einsum) | Transpose, ReduceSum, Reshape, MatMul (accel/graph/einsum.py); not diagonals |
+
+nn.Softplus reaches here only outside an ORT export: ortflow's `aten::softplus` symbolic (accel/graph/symbolics.py)
+writes the same decomposition with the module's beta and threshold, which ONNX's Softplus cannot carry.
 
 The ops with no exact rewrite in ops ORT differentiates (Atan, CumSum, ReduceMax, ...) get a gradient of ortflow's
 instead: accel/graph/onnx_gradients.py.
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
+from torch.onnx import symbolic_helper
 
-from ortflow.accel.graph import einsum
+from ortflow.accel.graph import activations, einsum
 from ortflow.accel.graph import plan as graph_plan
 from ortflow.accel.graph.onnx_values import attribute, value_types
 
 Emit = Callable[[str, list[str], dict], str]  # (op, inputs, attributes) -> output name
 Ints = Callable[[list[int]], str]  # an int64 constant -> its name
-
-
-def _elu(emit: Emit, const: Callable[[float], str], x: str, alpha: float, scale_inside: float = 1.0) -> str:
-    negative = emit("Min", [x, const(0.0)], {})
-    if scale_inside != 1.0:
-        negative = emit("Mul", [negative, const(scale_inside)], {})
-    curve = emit("Mul", [emit("Sub", [emit("Exp", [negative], {}), const(1.0)], {}), const(alpha)], {})
-    return emit("Where", [emit("Greater", [x, const(0.0)], {}), x, curve], {})
 
 
 def _depth_to_space(node: onnx.NodeProto, emit: Emit, ints: Ints) -> str:
@@ -72,31 +70,22 @@ def _write(
     x = node.input[0]
     op = node.op_type
     if op == "HardSigmoid":
-        scaled = emit("Mul", [x, const(attribute(node, "alpha", 0.2))], {})
-        return emit(
-            "Clip", [emit("Add", [scaled, const(attribute(node, "beta", 0.5))], {}), const(0.0), const(1.0)], {}
-        )
+        return activations.hardsigmoid(emit, const, x, attribute(node, "alpha", 0.2), attribute(node, "beta", 0.5))
     if op == "HardSwish":
-        gate = emit(
-            "Clip", [emit("Add", [emit("Mul", [x, const(1 / 6)], {}), const(0.5)], {}), const(0.0), const(1.0)], {}
-        )
-        return emit("Mul", [x, gate], {})
+        return activations.hardswish(emit, const, x)
     if op == "Elu":
-        return _elu(emit, const, x, attribute(node, "alpha", 1.0))
-    if op == "Selu":
-        elu = _elu(emit, const, x, attribute(node, "alpha", 1.67326319217681884765625))
-        return emit("Mul", [elu, const(attribute(node, "gamma", 1.05070102214813232421875))], {})
-    if op == "Celu":
+        return activations.elu_family(emit, const, x, attribute(node, "alpha", 1.0))
+    if op == "Selu":  # torch's elu(x, alpha, scale=gamma): alpha * gamma rounded to float32 as its kernel does
+        alpha = np.float32(attribute(node, "alpha", 1.67326319217681884765625))
+        gamma = np.float32(attribute(node, "gamma", 1.05070102214813232421875))
+        return activations.elu_family(emit, const, x, float(alpha * gamma), float(gamma))
+    if op == "Celu":  # torch's elu(x, alpha, scale=1, input_scale=1 / alpha)
         alpha = attribute(node, "alpha", 1.0)
-        return _elu(emit, const, x, alpha, scale_inside=1 / alpha)
+        return activations.elu_family(emit, const, x, alpha, input_scale=float(np.float32(1 / alpha)))
     if op == "Softplus":
-        capped = emit("Min", [x, const(20.0)], {})
-        smooth = emit("Log", [emit("Add", [emit("Exp", [capped], {}), const(1.0)], {})], {})
-        return emit("Where", [emit("Greater", [x, const(20.0)], {}), x, smooth], {})
+        return activations.softplus(emit, const, x)
     if op == "PRelu":
-        slope = node.input[1]
-        negative = emit("Relu", [emit("Neg", [x], {})], {})
-        return emit("Sub", [emit("Relu", [x], {}), emit("Mul", [slope, negative], {})], {})
+        return activations.prelu(emit, const, x, node.input[1])
     if op == "DepthToSpace":
         return _depth_to_space(node, emit, ints)
     if op == "Einsum":
@@ -168,6 +157,30 @@ def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_pla
     work.count("ops_without_gradient_decomposed", decompose_ops_without_gradient(model))
 
 
+def _softplus(plan: graph_plan.GraphPlan, native: Any) -> Any:
+    """torch's softplus(x, beta, threshold), written out with the module's beta and threshold (ONNX's Softplus, what
+    torch's own symbolic writes, has no threshold, and ORT cannot differentiate it); `native` where they are not
+    constants."""
+
+    def symbolic(g: Any, self: Any, beta: Any, threshold: Any) -> Any:
+        beta_value = symbolic_helper._maybe_get_const(beta, "f")
+        threshold_value = symbolic_helper._maybe_get_const(threshold, "f")
+        if not all(isinstance(v, float | int) for v in (beta_value, threshold_value)):
+            return native(g, self, beta, threshold)
+        scalar_type = symbolic_helper._try_get_scalar_type(self)  # the constants take the input's type
+        dtype = scalar_type.dtype() if scalar_type is not None else torch.float32
+
+        def emit(op: str, inputs: list, attributes: dict) -> Any:
+            return g.op(op, *inputs)
+
+        def const(value: float) -> Any:
+            return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
+
+        return activations.softplus(emit, const, self, float(beta_value), float(threshold_value))
+
+    return symbolic
+
+
 graph_plan.declare(
     graph_plan.GraphOp(
         "decompositions",
@@ -175,6 +188,7 @@ graph_plan.declare(
         __name__,
         (graph_plan.Path.ort,),
         lambda settings, precision, engine: graph_plan.Path.ort,
+        symbolics={"::softplus": _softplus},  # with the module's beta and threshold, which ONNX's Softplus lacks
         rewrite=_rewrite,
         order=40,
     )

@@ -7,7 +7,8 @@ ORTModule's where it registered one at that opset, else torch's own). Under the 
 ORTModule exports as ATen nodes (its embedding, pooling, group_norm, ...: ORT_ATEN_SYMBOLICS) run torch's own, so
 the graph holds ONNX and com.microsoft operators only.
 
-Two fixes hold in every ORT export: `aten::batch_norm` without running statistics (BatchNorm(track_running_stats=
+Decompositions declare symbolics too (Softplus with the module's beta and threshold: decompositions.py). Two fixes
+hold in every ORT export: `aten::batch_norm` without running statistics (BatchNorm(track_running_stats=
 False)) and `aten::instance_norm`, whose torch symbolics need the batch and channel sizes as constants ("batch_size
 and channel_size must be non-None", "ONNX export of instance_norm for unknown channel size"), which ORTModule's
 export, every input dimension dynamic, does not have. These compute the same batch statistics, and the same

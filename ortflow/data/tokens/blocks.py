@@ -90,8 +90,15 @@ class RandomBlocks:
         return shift + chosen.astype(np.int64) * span
 
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's batch `index`: (inputs, targets), int64, (batch_size, block_size)."""
-        mine = self.offsets(index)[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        """This rank's batch `index`: (inputs, targets), int64, (batch_size, block_size).
+
+        Raises:
+            DataError: a block of the token file that this step reads, on any rank, changed since it was prepared
+                (every rank checks the whole step's blocks, so all stop at the same step).
+        """
+        every = self.offsets(index)
+        self.tokens.check(every, self.block_size + 1)
+        mine = every[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
         return _pair(self.tokens.rows(mine, self.block_size + 1))  # (B, block_size + 1) read from the file
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

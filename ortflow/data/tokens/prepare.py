@@ -3,13 +3,15 @@
 `prepare(settings)` reads the sources, builds the tokenizer (trains a BPE on a bounded, evenly spread sample of the
 corpus), encodes the corpus in chunks on `data.num_proc` processes, holds out the last `data.val_fraction` of its
 bytes (at a chunk boundary) as the validation split, and writes `train.bin`, `val.bin`, `tokenizer.json` and, last,
-`manifest.json`.
+`manifest.json`, which records each token file's block checksums (ortflow/data/tokens/checksums.py).
 
 The store's folder is `<cache>/<key>`, the key a hash of the sources' quick identity (relative path, size, mtime,
 sampled bytes) and of the settings, so preparing the same sources with the same settings again finds it and does
 nothing. Everything is written into a hidden temporary folder beside it that becomes `<key>` by one rename; a
 killed or failed prepare leaves only that hidden folder, which the next prepare of the same key removes. A file
 lock per key makes concurrent prepares (two commands, DDP ranks) wait for one another instead of racing.
+`force` (`ortflow-prepare --force`) prepares again a store the cache holds, one whose files changed: the new one
+replaces it by a rename once complete.
 """
 
 import errno
@@ -32,7 +34,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ortflow.data.tokens import encode, sources
+from ortflow.data.tokens import checksums, encode, sources
 from ortflow.data.tokens.store import FORMAT, MANIFEST, TOKENIZER_FILE, VERSION, TokenArray, TokenStore, fingerprint
 from ortflow.data.tokens.tokenizer import BYTES, ByteTokenizer, HFTokenizer, Tokenizer, choose, token_dtype, train_bpe
 from ortflow.errors import DataError
@@ -305,6 +307,7 @@ def _manifest(
     seconds: float,
     num_proc: int,
     key: str | None,
+    sums: dict[str, dict] | None = None,
 ) -> dict[str, Any]:
     train_tokens = sum(encoded.chunk_tokens[:split])
     val_tokens = sum(encoded.chunk_tokens[split:])
@@ -338,6 +341,8 @@ def _manifest(
         "settings": {k: v for k, v in asdict(settings).items() if k not in ("source", "cache_dir", "num_proc")},
         "prepare": {"seconds": round(seconds, 3), "num_proc": num_proc, "mb_per_s": round(src.size / seconds / 1e6, 2)},
     }
+    for name, recorded in (sums or {}).items():
+        manifest["splits"][name]["checksums"] = recorded
     manifest["fingerprint"] = fingerprint(manifest)
     return manifest
 
@@ -359,8 +364,9 @@ def _valid(folder: Path) -> TokenStore | None:
     return TokenStore.open(folder) if (folder / MANIFEST).is_file() else None
 
 
-def prepare(settings: PrepareSettings, say: Callable[[str], None] = say_on_console) -> TokenStore:
-    """The prepared store for `settings`: found in the cache, or made there (one line said when it is made).
+def prepare(settings: PrepareSettings, say: Callable[[str], None] = say_on_console, force: bool = False) -> TokenStore:
+    """The prepared store for `settings`: found in the cache, or made there (one line said when it is made);
+    `force`: made again even when the cache holds it (replacing it once the new one is complete).
 
     Raises:
         DataError: a bad source or tokenizer (named), a cache folder that cannot be written, a full disk (the
@@ -373,7 +379,7 @@ def prepare(settings: PrepareSettings, say: Callable[[str], None] = say_on_conso
     key = cache_key(src, settings, choice.identity(settings.bpe_vocab_size, settings.bpe_train_bytes))
     root = cache_root(settings)
     target = root / key
-    if found := _valid(target):
+    if not force and (found := _valid(target)):
         log.info("data: '%s' is prepared in %s (cache hit)", settings.source, target)
         return found
     try:
@@ -386,14 +392,20 @@ def prepare(settings: PrepareSettings, say: Callable[[str], None] = say_on_conso
             "writable folder."
         ) from None
     with _locked(lock):
-        if found := _valid(target):  # another process prepared it while this one waited
+        if not force and (found := _valid(target)):  # another process prepared it while this one waited
             return found
-        for stale in root.glob(f".{key}.tmp-*"):  # left by a killed prepare of this key
+        for stale in [*root.glob(f".{key}.tmp-*"), *root.glob(f".{key}.old-*")]:  # left by a killed prepare
             shutil.rmtree(stale, ignore_errors=True)
         work = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
         try:
             manifest = _prepare_into(work, settings, src, key, say)
-            os.rename(work, target)
+            if target.exists():  # --force: the store it replaces goes once the new one is in place
+                replaced = Path(tempfile.mkdtemp(prefix=f".{key}.old-", dir=root))
+                os.rename(target, replaced / key)
+                os.rename(work, target)
+                shutil.rmtree(replaced, ignore_errors=True)
+            else:
+                os.rename(work, target)
             _fsync_dir(root)
         except BaseException as err:
             shutil.rmtree(work, ignore_errors=True)
@@ -447,9 +459,9 @@ def _prepare_into(
     if tokenizer.json is not None:
         _write_text(work / TOKENIZER_FILE, tokenizer.json)
     files = src.content_identity()  # a full read of every source file: timed with the rest
-    manifest = _manifest(
-        settings, src, files, tokenizer, made, encoded, split, dtype, time.monotonic() - started, num_proc, key
-    )
+    sums = {name: checksums.of_file(work / SPLIT_FILES[name]) for name in SPLIT_FILES}  # the files as written
+    seconds = time.monotonic() - started
+    manifest = _manifest(settings, src, files, tokenizer, made, encoded, split, dtype, seconds, num_proc, key, sums)
     manifest["prepare"] |= timings
     _write_text(work / MANIFEST, json.dumps(manifest, indent=2))  # last: a folder with a manifest is complete
     return manifest
@@ -507,12 +519,33 @@ def prepare_in_memory(settings: PrepareSettings) -> TokenStore:
     return TokenStore(manifest, train, val, tokenizer)
 
 
-def open_or_prepare(settings: PrepareSettings, say: Callable[[str], None] = say_on_console) -> TokenStore:
+def open_or_prepare(
+    settings: PrepareSettings, say: Callable[[str], None] = say_on_console, force: bool = False
+) -> TokenStore:
     """What a run trains on: a prepared folder named by data.source, the embedded corpus in bytes in memory, or
-    anything else prepared into (or found in) the cache."""
+    anything else prepared into (or found in) the cache; `force`: prepared again (not a prepared folder: its
+    source is needed).
+
+    Raises:
+        DataError: as `prepare`; `force` with data.source a prepared folder.
+    """
     folder = Path(settings.source).expanduser()
     if settings.source.strip() and folder.is_dir() and (folder / MANIFEST).is_file():
+        if force:
+            raise DataError(
+                f"data.source: '{folder}' is a prepared token folder, which --force cannot prepare again by itself: "
+                f"pass the text it was prepared from ({_source_of(folder)}) as data.source, with the same data.* "
+                "settings."
+            )
         return TokenStore.open(folder.absolute())
     if settings.source == sources.EMBEDDED and settings.tokenizer == BYTES:
         return prepare_in_memory(settings)
-    return prepare(settings, say)
+    return prepare(settings, say, force)
+
+
+def _source_of(folder: Path) -> str:
+    """The source a prepared folder's manifest names, as well as it can be read."""
+    try:
+        return f"data.source={json.loads((folder / MANIFEST).read_text())['source']['spec']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its manifest.json names it under source.spec"

@@ -3,22 +3,27 @@
 The manifest is written last and the folder appears under its final name by one rename, so a folder that has a
 manifest is complete. Opening one checks it anyway: the format version, every token file's size against the
 manifest's token count and dtype (a truncated file, or one of another dtype, is refused), the tokenizer file's
-hash, and the manifest's own fingerprint.
+hash, and the manifest's own fingerprint. The token files' contents are checked block by block as they are read
+(ortflow/data/tokens/checksums.py): a byte changed since the store was prepared stops the run naming the file and
+the block.
 """
 
 import hashlib
 import json
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ortflow.data.tokens.checksums import BlockChecks
 from ortflow.data.tokens.tokenizer import BYTES, ByteTokenizer, HFTokenizer, Tokenizer
 from ortflow.errors import DataError
 
-FORMAT, VERSION = "ortflow-tokens", 1
+# Version 2: each token file's block checksums in the manifest (a version 1 store has none: prepared again).
+FORMAT, VERSION = "ortflow-tokens", 2
 MANIFEST, TOKENIZER_FILE = "manifest.json", "tokenizer.json"
 SPLITS = ("train", "val")
 # Manifest keys left out of its fingerprint: when and by which version it was written, how fast, and the cache key
@@ -42,12 +47,14 @@ def fingerprint(manifest: dict[str, Any]) -> str:
 @dataclass(frozen=True)
 class TokenArray:
     """One split's tokens: a file (never read whole: `rows` reads just the windows asked for, `open` maps it), or an
-    array in memory (the embedded corpus). Picklable, for DataLoader workers."""
+    array in memory (the embedded corpus). Picklable, for DataLoader workers. A file's blocks are checked against
+    their prepared checksums (`checks`) before this process first reads them."""
 
     count: int
     dtype: str
     path: str | None = None
     array: np.ndarray | None = field(default=None, compare=False)
+    checks: BlockChecks | None = field(default=None, compare=False)
 
     def __len__(self) -> int:
         return self.count
@@ -57,7 +64,19 @@ class TokenArray:
         in the process's RSS while the map lives), or the array in memory."""
         if self.array is not None:
             return self.array
+        if self.checks is not None:
+            self.checks.check_all()
         return np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.count,))
+
+    def check(self, starts: np.ndarray, length: int) -> None:
+        """Check the blocks that hold tokens [start, start + length) for each start, those this process has not
+        checked before (the rows of every rank of a step: each rank then stops at the same step).
+
+        Raises:
+            DataError: a block changed since the store was prepared, named with its file.
+        """
+        if self.checks is not None:
+            self.checks.check_rows(starts, length, np.dtype(self.dtype).itemsize)
 
     def rows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Tokens [start, start + length) for each start, as a (len(starts), length) array. From a file, one
@@ -65,6 +84,7 @@ class TokenArray:
         the batches drawn (a fresh np.memmap per batch does the same at 4x the cost: mapping and unmapping)."""
         if self.array is not None:
             return self.array[starts[:, None] + np.arange(length)]
+        self.check(starts, length)
         itemsize = np.dtype(self.dtype).itemsize
         fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -99,8 +119,9 @@ class TokenStore:
         """Open and check a prepared folder.
 
         Raises:
-            DataError: no or an unreadable manifest, a newer format version, a token file missing, truncated or
-                of another dtype, a tokenizer file that does not match or does not load, a manifest edited by hand.
+            DataError: no or an unreadable manifest, a newer format version or one without checksums (version 1), a
+                token file missing, truncated or of another dtype, a tokenizer file that does not match or does not
+                load, a manifest edited by hand.
         """
         file = folder / MANIFEST
         try:
@@ -120,6 +141,12 @@ class TokenStore:
                 f"prepared by ortflow {manifest.get('ortflow_version', '?')}. Upgrade ortflow, or delete '{folder}' "
                 "and prepare again."
             )
+        if version < VERSION:
+            raise DataError(
+                f"data: '{folder}' was prepared by ortflow {manifest.get('ortflow_version', '?')} (format version "
+                f"{version}), whose manifest has no checksums of its token files: a byte changed in them would go "
+                f"unnoticed. {prepare_again(manifest)}"
+            )
         try:
             dtype = np.dtype(manifest["dtype"])
             splits = {name: manifest["splits"][name] for name in SPLITS}
@@ -132,7 +159,7 @@ class TokenStore:
                 f"data: the manifest '{file}' does not match its fingerprint (edited after it was written); delete "
                 f"'{folder}' and prepare again."
             )
-        arrays = {name: _token_file(folder, split, dtype) for name, split in splits.items()}
+        arrays = {name: _token_file(folder, split, dtype, prepare_again(manifest)) for name, split in splits.items()}
         tokenizer: Tokenizer = ByteTokenizer()
         if kind != BYTES:
             tokenizer = _tokenizer_file(folder, manifest["tokenizer"])
@@ -147,7 +174,22 @@ class TokenStore:
         return files
 
 
-def _token_file(folder: Path, split: dict[str, Any], dtype: np.dtype) -> TokenArray:
+def prepare_again(manifest: dict[str, Any]) -> str:
+    """The fix for a store that cannot be trusted: the `ortflow-prepare --force` command that prepares it again from
+    its source, with the data.* settings it was prepared with."""
+    source, settings = manifest.get("source", {}), manifest.get("settings", {})
+    keys = ["tokenizer", "val_fraction"] + (
+        ["bpe_vocab_size", "bpe_train_bytes"] if settings.get("tokenizer") == "bpe" else []
+    )
+    overrides = [f"data.source={source.get('spec', '...')}"]
+    overrides += [f"data.{key}={settings[key]}" for key in keys if key in settings]
+    if source.get("text_field") not in (None, "text"):
+        overrides.append(f"data.text_field={source['text_field']}")
+    command = shlex.join(["ortflow-prepare", "--force", *overrides])
+    return f"Prepare it again: `{command}` (add data.cache_dir=... if you set it), then run again."
+
+
+def _token_file(folder: Path, split: dict[str, Any], dtype: np.dtype, fix: str) -> TokenArray:
     path = folder / split["file"]
     tokens = split["tokens"]
     try:
@@ -160,7 +202,7 @@ def _token_file(folder: Path, split: dict[str, Any], dtype: np.dtype) -> TokenAr
             f"({tokens * dtype.itemsize:,} bytes): it is truncated or of another dtype. Delete '{folder}' and "
             "prepare again."
         )
-    return TokenArray(tokens, dtype.name, str(path))
+    return TokenArray(tokens, dtype.name, str(path), checks=BlockChecks(str(path), size, split.get("checksums"), fix))
 
 
 def _tokenizer_file(folder: Path, recorded: dict[str, Any]) -> HFTokenizer:
