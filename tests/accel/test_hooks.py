@@ -224,8 +224,9 @@ def assert_trains_as_eager(kind: str, build: Callable[[Calls], nn.Module], tmp_p
         for kind in ("ortmodule", "artifacts")
     ],
 )
-# the legacy register_backward_hook case: torch's own deprecation, shown to users of it, expected here
+# the legacy register_backward_hook and weight_norm cases: torch's own deprecations, shown to users of them, expected
 @pytest.mark.filterwarnings("ignore:Using a non-full backward hook:FutureWarning")
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
 def test_each_hook_runs_as_in_eager_or_the_engine_refuses_naming_it(case, kind, tmp_path):
     build, runs, named = CASES[case]
     if kind in runs:
