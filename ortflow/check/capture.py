@@ -9,6 +9,9 @@ step's forward changed (BatchNorm's running statistics).
   calls its optimizer graph (which clips, then steps), so after the backward and before clipping.
 - Any other engine: no gradients (the check says so).
 
+The trainable parameters are read before and after the step too: the first update, which the check holds to torch's
+optimizer replayed on the engine's own gradients (update.py).
+
 The step itself is the engine's own `train_step`: nothing runs twice, so a forward that updates state (BatchNorm)
 does so once, as in a run.
 """
@@ -24,10 +27,13 @@ from torch import nn
 
 @dataclass
 class StepOne:
-    """The first step's gradients (None: the engine offers none) and buffers after it, by torch name."""
+    """The first step's gradients (None: the engine offers none), the buffers after it, and the trainable parameters
+    before and after it, by torch name."""
 
     gradients: dict[str, np.ndarray] | None = None
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    before: dict[str, np.ndarray] = field(default_factory=dict)
+    after: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class _ReadBeforeStep:
@@ -89,24 +95,34 @@ def step_one(engine: Any, step: Callable[[], float]) -> tuple[float, StepOne]:
             engine.optimizer = optimizer
     else:
         gradients = None
+    before = parameters(engine)
     try:
         loss = step()
     finally:
         restore()
-    return loss, StepOne(gradients, buffers(engine))
+    return loss, StepOne(gradients, buffers(engine), before, parameters(engine))
+
+
+def _model(engine: Any) -> nn.Module | None:
+    model = getattr(getattr(engine, "inner", engine), "model", None)
+    return model if isinstance(model, nn.Module) else None
+
+
+def parameters(engine: Any) -> dict[str, np.ndarray]:
+    """The engine's trainable parameters as it holds them (ORT's own for the artifacts engine), by torch name."""
+    model, state = _model(engine), engine.model_state_dict()
+    names = [n for n, p in model.named_parameters() if p.requires_grad] if model is not None else []
+    return {n: state[n].detach().float().cpu().numpy().copy() for n in names if n in state}
 
 
 def buffers(engine: Any) -> dict[str, np.ndarray]:
     """The engine's model buffers (its state_dict less the parameters): BatchNorm's running statistics (as float64)
     and counters."""
-    state = engine.model_state_dict()
-    model = getattr(getattr(engine, "inner", engine), "model", None)
+    state, model = engine.model_state_dict(), _model(engine)
     # every name of a parameter, tied ones too (an output layer sharing the embedding's weight)
-    parameters = (
-        {n for n, _ in model.named_parameters(remove_duplicate=False)} if isinstance(model, nn.Module) else set()
-    )
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)} if model is not None else set()
     return {
         name: (value.detach().double() if value.is_floating_point() else value.detach()).cpu().numpy().copy()
         for name, value in state.items()
-        if name not in parameters and isinstance(value, torch.Tensor)
+        if name not in names and isinstance(value, torch.Tensor)
     }

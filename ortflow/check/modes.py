@@ -185,7 +185,8 @@ def judged(mode: str, settings: list[str], steps: int, envelope: parity.Envelope
     """`mode`'s row, with its verdict against eager's envelope when both trained."""
     row = try_mode(mode, settings, steps, fresh_model)
     if envelope is not None and row["trains"]:
-        row["verdict"] = parity.judge(row, envelope)
+        cfg = _compose(settings, mode)
+        row["verdict"] = parity.judge(row, envelope, cfg.optim, cfg.trainer.grad_clip)
     return row
 
 

@@ -28,18 +28,23 @@ def detectable_text(detectable: dict[str, Any]) -> str:
         if found is None:
             continue
         noisy = found["rounding_noise"]
-        text = (
-            f"any {label} off by more than {found['error']:.1e} (relative; the largest tolerance, at "
-            f"'{found['bounded_by']}')"
-            if found["error"] is not None
-            else f"no {label} determined by the model"
-        )
+        if found["error"] is None:
+            text = f"no {label} determined by the model"
+        elif found["bounded_by"] is None:
+            text = f"any {label} off by more than {found['error']:.1e} (relative; the floor, fp32 rounding)"
+        else:
+            text = (
+                f"any {label} off by more than {found['error']:.1e} (relative; {parity.MARGIN:g}x the most one-ulp "
+                f"weights moved any, '{found['bounded_by']}''s: {found['spread']:.1e})"
+            )
         if noisy:
             text += (
                 f", except {len(noisy)} whose values are eager's own rounding noise (one-ulp weights move them by more "
                 f"than {parity.NOISY:g}): {_names(noisy)}"
             )
         parts.append(text)
+    if found := detectable.get("update"):
+        parts.append(f"a first update more than {found['ulps']} ulps of a weight from torch's optimizer's")
     if loss := detectable.get("loss"):
         parts.append(f"a loss off by more than {loss['step_1']:.1e} at step 1 ({loss['last_step']:.1e} at the last)")
     return "smallest errors caught: " + "; ".join(parts)

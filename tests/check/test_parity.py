@@ -87,14 +87,21 @@ def test_a_gradient_on_one_side_only_differs():
     assert "'extra' in one of them (the engine has one, eager none)" in parity.judge(row, envelope)
 
 
-def test_the_worst_parameter_is_the_one_furthest_over_its_own_tolerance():
-    envelope = _envelope(spread={"big.weight": 1e-2, "small.bias": 1e-7})  # big.weight: tolerance 0.1
+def test_the_sharpest_gradient_of_the_model_sets_every_parameters_tolerance():
+    """A ReLU input within rounding of 0 flips under one ulp of the weights in some runs and not in others: the
+    gradients it feeds jump (torchvision MNASNet 0.5, one batch: 3 of 20 one-ulp runs moved one bias's gradient by
+    3.7e-2, the others by 2e-4, both ORT engines by 3.7e-2). Three runs see such jumps in some parameters, not in
+    all: every parameter is held to the model's sharpest."""
+    envelope = _envelope(spread={"big.weight": 1e-2, "small.bias": 1e-7})  # big.weight jumped: 0.1 for both
+    assert envelope.gradient_tolerance("small.bias") == envelope.gradient_tolerance("big.weight") == pytest.approx(0.1)
     row = _row(envelope)
-    row["step_one"].gradients["big.weight"] *= 1.05  # 5e-2: within its tolerance
-    row["step_one"].gradients["small.bias"] *= 1 + 2e-5  # twice its tolerance
-    assert parity.judge(row, envelope).startswith("differs: step-1 gradient of 'small.bias' 2.0e-05")
-    row["step_one"].gradients["small.bias"] = envelope.gradients["small.bias"].copy()
+    row["step_one"].gradients["small.bias"] *= 1.05
     assert parity.judge(row, envelope) == "within eager's own noise"
+    row["step_one"].gradients["small.bias"] *= 1.2  # 26% wrong: over 0.1
+    assert parity.judge(row, envelope).startswith("differs: step-1 gradient of 'small.bias' 2.6e-01")
+    noisy = _envelope(spread={"big.weight": 1e-7, "small.bias": 1.6})  # rounding noise keeps its own tolerance
+    assert noisy.gradient_tolerance("big.weight") == parity.GRADIENT_FLOOR
+    assert noisy.gradient_tolerance("small.bias") == pytest.approx(16.0)
 
 
 def test_a_buffer_or_a_count_after_step_one_is_held_to_eagers():
@@ -126,11 +133,47 @@ def test_the_smallest_detectable_error_leaves_out_rounding_noise_parameters_and_
     assert found["gradient"] == {
         "error": pytest.approx(3e-4),
         "bounded_by": "big.weight",
+        "spread": 3e-5,
         "rounding_noise": ["small.bias"],
+        "count": 2,
     }
     row = _row(envelope)
     row["step_one"].gradients["big.weight"] *= 1 + 2 * found["gradient"]["error"]  # twice the stated error
     assert parity.judge(row, envelope).startswith("differs: step-1 gradient of 'big.weight'")
+
+
+def test_the_first_update_is_held_to_torchs_optimizer_on_the_engines_own_gradients():
+    from omegaconf import OmegaConf
+
+    from ortflow.check import update
+    from ortflow.config import OptimConfig
+
+    adamw = OmegaConf.structured(OptimConfig(lr=1e-3, weight_decay=0.01))
+    sgd = OmegaConf.structured(OptimConfig(name="sgd", lr=0.1, weight_decay=0.0))
+    envelope = _envelope()
+    row = _row(envelope)
+    step_one = row["step_one"]
+    g = np.random.default_rng(0)
+    step_one.before = {n: 0.05 * g.normal(size=v.shape).astype(np.float32) for n, v in envelope.gradients.items()}
+    for optim in (adamw, sgd):
+        step_one.after = update.replayed(step_one.before, step_one.gradients, optim, 0.5)  # what torch does
+        assert parity.judge(row, envelope, optim, 0.5) == "within eager's own noise" and row["update"]["ulps"] == 0
+    wrong = {
+        "a learning rate 10% off": (
+            adamw,
+            update.replayed(step_one.before, step_one.gradients, OmegaConf.merge(adamw, {"lr": 1.1e-3}), 0.5),
+        ),
+        "the clip ignored": (sgd, update.replayed(step_one.before, step_one.gradients, sgd, None)),
+    }
+    for what, (optim, after) in wrong.items():
+        step_one.after = after
+        assert parity.judge(row, envelope, optim, 0.5).startswith("differs: first update of '"), (what, row["update"])
+
+
+def test_the_band_is_how_far_eagers_runs_went_by_each_step():
+    eager = {"losses": [2.0, 2.0, 2.0], "step_one": StepOne({}, {})}
+    runs = [{"losses": [2.0, 2.0 * (1 + 3e-6), 2.0], "step_one": StepOne({}, {})}]
+    assert parity.Envelope.measure(eager, runs).band == pytest.approx([0.0, 3e-6, 3e-6])
 
 
 def test_an_engine_without_gradients_is_judged_on_its_losses_and_says_so():
@@ -148,12 +191,9 @@ def test_check_gives_each_engine_a_verdict_and_states_what_it_can_see(monkeypatc
     envelope = report["envelopes"]["fp32"]
     assert envelope["seeds"] == len(parity.NOISE_SEEDS) and len(envelope["loss_band"]) == 3
     detectable = envelope["detectable"]["gradient"]
-    assert parity.GRADIENT_FLOOR <= detectable["error"] < 1e-4 and detectable["bounded_by"] in {
-        "0.weight",
-        "0.bias",
-        "2.weight",
-        "2.bias",
-    }
+    assert parity.GRADIENT_FLOOR <= detectable["error"] < 1e-4 and detectable["rounding_noise"] == []
+    # a parameter's tolerance over the floor names it; at the floor, none does
+    assert (detectable["bounded_by"] is None) == (detectable["error"] == parity.GRADIENT_FLOOR)
     rows = {r["mode"]: r for r in report["rows"]}
     assert rows["none"]["precision"] == "fp32"
     for mode in ("ortmodule", "artifacts"):
