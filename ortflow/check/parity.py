@@ -19,7 +19,7 @@ An engine's row (`judge`) "differs" when any of these fails, else it is "within 
    are equal;
 4. the first update (the weights after step 1) is within update.ULPS ulps of torch's optimizer applied to the engine's
    own gradients (update.py): the optimizer, its clipping and its conventions, whatever the gradients;
-5. the loss at every step is within max(LOSS_FLOOR, MARGIN x the band at that step) of eager's.
+5. the loss at every step is within max(LOSS_FLOOR, LOSS_MARGIN x the band at that step) of eager's.
 
 The model's sharpest spread: a ReLU input (a BatchNorm variance, a max-pool tie) within rounding of its kink takes
 either side under one ulp of the weights, and the gradients it feeds jump. Three runs catch such a jump in some
@@ -30,11 +30,14 @@ spread any parameter the model determines showed. Parameters whose spread exceed
 own, larger tolerance.
 
 MARGIN: an engine's kernels round differently from eager's (another summation order, a fused kernel), which moves
-results further than one ulp of the weights does. Measured on the models of docs/models.md (3 seeds x 3 batches
-each), a correct engine's step-1 gradients were at most 1.5 x eager's spread and its losses at most 6.7 x the band
-(MobileNetV3-small, the artifacts engine, step 5); 10 covers both. The floors are fp32 rounding: a loss moves by
-1e-7 of itself with no cause at all, and an engine's by 1.4e-6 (a U-Net's fourth step) where eager's own runs
-happened to agree to the last bit.
+results further than one ulp of the weights does; measured on the models of docs/models.md (3 seeds x 3 batches
+each), a correct engine's step-1 gradients were at most 1.5 x eager's spread, and 10 covers that. LOSS_MARGIN: later
+losses are chaotic, and three runs sample where eager's own curves may go, they do not bound it. A correct engine's
+loss reached 11.5 x the band (the artifacts engine on MobileNetV3-small, step 5: one weight's step-1 gradient is
+1.4e-8, cancellation noise that AdamW turns into a 0.7 lr step, then a squeeze-excitation ReLU flips at step 4,
+where 20 one-ulp runs reached 2 x the band of three), so 30. The floors are fp32 rounding: a loss moves by 1e-7 of
+itself with no cause at all, and an engine's by 1.4e-6 (a U-Net's fourth step) where eager's own runs happened to
+agree to the last bit.
 
 `Envelope.detectable` says what the check can see: a gradient (buffer) error above the tolerance the model's
 determined parameters share, and which parameters are rounding noise. Rows are plain dicts keyed by engine (`mode`);
@@ -54,7 +57,8 @@ from ortflow.check import update
 from ortflow.config import OptimConfig
 from ortflow.errors import OrtflowError
 
-MARGIN = 10.0  # an engine may move things by MARGIN x what one ulp of the weights moves them in eager
+MARGIN = 10.0  # an engine's step 1 may move things by MARGIN x what one ulp of the weights moves them in eager
+LOSS_MARGIN = 30.0  # its loss curve, LOSS_MARGIN x the band
 GRADIENT_FLOOR = 1e-5  # relative, per parameter: fp32 rounding of a gradient that one ulp of the weights never moves
 BUFFER_FLOOR = 1e-5  # relative, per buffer
 LOSS_FLOOR = 1e-5  # relative, per step
@@ -115,6 +119,7 @@ class Envelope:
     buffer_spread: dict[str, float]
     seeds: int
     margin: float = MARGIN
+    loss_margin: float = LOSS_MARGIN
     floors: dict[str, float] = field(
         default_factory=lambda: {"gradient": GRADIENT_FLOOR, "buffer": BUFFER_FLOOR, "loss": LOSS_FLOOR}
     )
@@ -165,7 +170,7 @@ class Envelope:
         return max(self.floors["buffer"], self.margin * spread)
 
     def loss_allowed(self) -> list[float]:
-        return [max(self.floors["loss"], self.margin * band) for band in self.band]
+        return [max(self.floors["loss"], self.loss_margin * band) for band in self.band]
 
     def detectable(self) -> dict[str, Any]:
         """The smallest errors the check catches in any parameter's gradient (any buffer) the model determines: the
@@ -195,6 +200,7 @@ class Envelope:
         return {
             "seeds": self.seeds,
             "margin": self.margin,
+            "loss_margin": self.loss_margin,
             "floors": dict(self.floors),
             "loss_band": self.band,
             "loss_allowed": self.loss_allowed(),
@@ -277,7 +283,7 @@ def loss_finding(
         differences[step],
         (
             f"loss at step {step + 1} {differences[step]:.1e} from eager's, outside its envelope {allowed[step]:.1e} "
-            f"({envelope.margin:g} x eager's own {envelope.band[step]:.1e})"
+            f"({envelope.loss_margin:g} x eager's own {envelope.band[step]:.1e})"
         ),
     )
 

@@ -116,13 +116,13 @@ def test_a_buffer_or_a_count_after_step_one_is_held_to_eagers():
 
 
 def test_the_loss_curve_is_held_to_eagers_band_times_the_margin_at_every_step():
-    envelope = _envelope()  # band 1e-7, 1e-6, 1e-5: allowed 1e-5, 1e-5, 1e-4
-    assert envelope.loss_allowed() == [parity.LOSS_FLOOR, parity.LOSS_FLOOR, parity.MARGIN * 1e-5]
-    inside = _row(envelope, losses=[2.0 * (1 + 9e-6), 1.9, 1.8 * (1 + 9e-5)])
+    envelope = _envelope(band=(1e-7, 1e-7, 1e-5))  # allowed: the floor 1e-5, 1e-5, then 30 x 1e-5
+    assert envelope.loss_allowed() == pytest.approx([parity.LOSS_FLOOR, parity.LOSS_FLOOR, parity.LOSS_MARGIN * 1e-5])
+    inside = _row(envelope, losses=[2.0 * (1 + 9e-6), 1.9, 1.8 * (1 + 2.9e-4)])
     assert parity.judge(inside, envelope) == "within eager's own noise"
     outside = _row(envelope, losses=[2.0, 1.9 * (1 + 3e-5), 1.8 * (1 + 9e-5)])  # step 2: 3e-5 over its 1e-5
     assert parity.judge(outside, envelope) == (
-        "differs: loss at step 2 3.0e-05 from eager's, outside its envelope 1.0e-05 (10 x eager's own 1.0e-06)"
+        "differs: loss at step 2 3.0e-05 from eager's, outside its envelope 1.0e-05 (30 x eager's own 1.0e-07)"
     )
     assert outside["loss_step"] == 2
 
