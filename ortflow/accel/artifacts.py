@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ortflow import accel
-from ortflow.accel import failures
+from ortflow.accel import failures, torch_adamw
 from ortflow.accel.compat import export_warnings, ort, torch_onnx, versions
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.graph import aten_cross_entropy, aten_nodes, batchnorm, bf16_weights, pipeline
@@ -164,9 +164,7 @@ def _optimizer_block(optim: OptimConfig, grad_clip: float | None):
 
     clip = onnxblock.optim.ClipGradNorm(grad_clip) if grad_clip is not None else None
     if optim.name == OptimName.adamw:
-        return onnxblock.optim.AdamW(
-            betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay, clip_grad=clip
-        )
+        return torch_adamw.adamw_block(tuple(optim.betas), optim.eps, optim.weight_decay, clip)  # torch's conventions
     return onnxblock.optim.SGD(clip_grad=clip)
 
 

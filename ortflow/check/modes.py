@@ -17,11 +17,11 @@ from torch import nn
 
 from ortflow import accel
 from ortflow.api import register_configs
-from ortflow.check import parity
-from ortflow.config import FP32
+from ortflow.check import capture, parity
+from ortflow.config import AUTO, BF16, FP32
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
-from ortflow.errors import OrtflowError, root_reason
+from ortflow.errors import ConfigError, OrtflowError, root_reason
 from ortflow.model.probe import training_forward_probe
 from ortflow.paths import compose_config
 from ortflow.run.runner import build_data, build_model, engine_context
@@ -84,11 +84,11 @@ def try_mode(
     overrides: list[str],
     steps: int,
     model: Callable[[DictConfig, Data], nn.Module],
-    reference: list[float] | None,
+    reference: list[float] | None = None,
     grads: bool = True,
-):
-    """Train `steps` steps of the model `model(cfg, data)` builds in `mode`; a row of the table (with `grads`, its
-    step-1 gradients under "_grads", for the caller to compare)."""
+) -> dict[str, Any]:
+    """Train `steps` steps of the model `model(cfg, data)` builds in `mode`; a row of the table (with `grads`, what
+    its first step leaves under "step_one": capture.StepOne)."""
     row: dict[str, Any] = {"mode": mode}
     try:
         cfg = _compose(overrides, mode)
@@ -101,15 +101,17 @@ def try_mode(
         with tempfile.TemporaryDirectory(prefix="ortflow-check-") as tmp:
             engine = accel.build(cfg.accel, engine_context(cfg, built, data, Path(tmp)))
             losses, times = [], []
-            step_one = parity.capture_step_one(engine, split_batch(batches[0])) if grads else None
             for step, batch in enumerate(batches, start=1):
                 seed_step(cfg.seed, step)
                 start = time.perf_counter()
-                losses.append(engine.train_step(*split_batch(batch)))
+                if step == 1 and grads:
+                    first = split_batch(batch)
+                    loss, row["step_one"] = capture.step_one(engine, lambda: engine.train_step(*first))  # noqa: B023
+                else:
+                    loss = engine.train_step(*split_batch(batch))
+                losses.append(loss)
                 times.append(time.perf_counter() - start)
             info = engine.describe()
-            if step_one is not None:
-                row["_grads"] = step_one()
     except Exception as err:  # every failure is a result here, reported in the table
         return row | {"trains": False, "reason": _one_line(err)}
     row |= {
@@ -125,65 +127,117 @@ def try_mode(
     return row
 
 
-def check(overrides: list[str], steps: int, modes: list[str], precisions: tuple[str, ...] = (FP32,)) -> dict[str, Any]:
-    """Build the model once (checking its contract), then try each mode on the same model built afresh, in each
-    precision."""
+def precisions_of(cfg: DictConfig, overrides: list[str], asked: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The precisions to check in: `asked` (--precision), or the config's trainer.precision. Raises ConfigError for
+    trainer.precision=auto (it picks a precision by the machine: the check needs one) and for an override of
+    trainer.precision that `asked` leaves out (the check would not run what the overrides ask for)."""
+    given = str(cfg.trainer.precision)
+    overridden = any(o.lstrip("+~").startswith("trainer.precision=") for o in overrides)
+    if asked is None:
+        asked = (given,)
+    elif overridden and given not in asked:
+        raise ConfigError(
+            f"trainer.precision={given} is overridden, and --precision asks for {','.join(asked)}: the check runs "
+            "every row and eager's own noise in the precisions it is asked for. Drop one of the two, or make them "
+            "agree."
+        )
+    if AUTO in asked:
+        raise ConfigError(
+            f"trainer.precision={AUTO}: ortflow-check compares the engines in one precision at a time, and auto picks "
+            f"one by the machine. Give it {FP32} or {BF16} (trainer.precision=... or --precision {FP32},{BF16})."
+        )
+    return tuple(dict.fromkeys(asked))
+
+
+def _without_precision(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.lstrip("+~").startswith("trainer.precision=")]
+
+
+def _noise_runs(settings: list[str], steps: int, precision: str) -> list[dict[str, Any]]:
+    """Eager again from weights moved by one ulp of the precision it computes in (bf16's with bf16-mixed)."""
+    dtype = torch.bfloat16 if precision == BF16 else torch.float32
+    runs = []
+    for seed in parity.NOISE_SEEDS:
+        one_ulp = lambda cfg, data, seed=seed: parity.perturbed(fresh_model(cfg, data), seed, dtype)  # noqa: E731
+        runs.append(try_mode("none", settings, steps, one_ulp))
+    return runs
+
+
+def settings_in(overrides: list[str], precision: str) -> list[str]:
+    """The overrides with trainer.precision set to `precision` (and no other setting of it)."""
+    return [*_without_precision(overrides), f"trainer.precision={precision}"]
+
+
+def reference(settings: list[str], steps: int) -> tuple[dict[str, Any], parity.Envelope | None]:
+    """Eager's row and its own noise (None where eager did not train) for the config `settings` describe."""
+    eager = try_mode("none", settings, steps, fresh_model)
+    if not eager["trains"]:
+        return eager, None
+    precision = str(_compose(settings, "none").trainer.precision)
+    return eager, parity.Envelope.measure(eager, _noise_runs(settings, steps, precision))
+
+
+def judged(mode: str, settings: list[str], steps: int, envelope: parity.Envelope | None) -> dict[str, Any]:
+    """`mode`'s row, with its verdict against eager's envelope when both trained."""
+    row = try_mode(mode, settings, steps, fresh_model)
+    if envelope is not None and row["trains"]:
+        cfg = _compose(settings, mode)
+        row["verdict"] = parity.judge(row, envelope, cfg.optim, cfg.trainer.grad_clip)
+    return row
+
+
+def check(
+    overrides: list[str],
+    steps: int,
+    modes: list[str],
+    precisions: tuple[str, ...] | None = None,
+    strict: bool = False,
+) -> dict[str, Any]:
+    """Build the model once (checking its contract), then, in each precision, eager (the reference), eager from
+    one-ulp weights (its own noise: parity.Envelope) and each mode, every one on the model built afresh as a run
+    builds it; each mode's verdict (parity.judge).
+
+    Args:
+        overrides: a training run's overrides (accel= is ignored).
+        steps: training steps per mode.
+        modes: the accel modes to try (eager always runs: it is the reference).
+        precisions: trainer.precision values to check in (default: the config's own).
+        strict: raise ParityFailed when a row differs (or nothing could be compared).
+
+    Raises:
+        ConfigError: the config, or precisions the check cannot honour.
+        ParityFailed: with `strict`, a row that differs.
+    """
     register_configs()
     cfg = _compose(overrides, "none")
+    precisions = precisions_of(cfg, overrides, precisions)
     seed_everything(cfg.seed)
     data = build_data(cfg)
     model = fresh_model(cfg, data)
     random = draws_random_numbers(model, split_batch(next(iter(data.train)))[0])
     rows: list[dict[str, Any]] = []
-    eager: dict[str, tuple[list[float] | None, dict]] = {}  # precision -> eager's losses and step-1 gradients
-    for precision in dict.fromkeys((FP32, *precisions)):  # eager fp32 first: every floor is measured from it
-        settings = [*overrides, f"trainer.precision={precision}"]
-        reference = None
-        for mode in ["none", *[m for m in modes if m != "none"]]:
-            row = try_mode(mode, settings, steps, fresh_model, reference) | {"precision": precision}
-            got = row.pop("_grads", None)
-            if mode == "none":
-                reference = row.get("losses")
-                eager[precision] = (reference, got or {})
-            elif got is not None:
-                row["grad_rel_diff"] = parity.gradient_difference(got, eager[precision][1])
-            if mode in modes and precision in precisions:
-                rows.append(row)
-    floors, gradient_floors = [], []
-    reference_fp32, grads_fp32 = eager[FP32]
-    if reference_fp32 is not None:  # eager against itself, every weight one ulp away: the noise any engine is held to
-        for seed in parity.NOISE_SEEDS:
-            one_ulp = lambda cfg, data, seed=seed: parity.perturbed(fresh_model(cfg, data), seed)  # noqa: E731
-            noisy = try_mode("none", overrides, steps, one_ulp, reference_fp32)
-            floors.append(noisy.get("max_rel_loss_diff", math.nan))
-            if (got := noisy.pop("_grads", None)) is not None and grads_fp32:
-                gradient_floors.append(parity.gradient_difference(got, grads_fp32))
-    floor = max(floors) if floors and all(map(math.isfinite, floors)) else None
-    gradient_floor = max((g for g in gradient_floors if g is not None), default=None)
-    low = {}  # precision -> (loss floor, gradient tolerance): eager in it against eager fp32
-    for precision, (losses, grads) in eager.items():
-        if precision != FP32 and losses is not None and reference_fp32 is not None:
-            loss_floor = max(abs(a - b) / abs(b) for a, b in zip(losses, reference_fp32, strict=True))
-            low[precision] = (max(loss_floor, floor or 0.0), parity.gradient_difference(grads, grads_fp32))
+    envelopes: dict[str, dict[str, Any]] = {}
+    for precision in precisions:
+        settings = settings_in(overrides, precision)
+        eager, envelope = reference(settings, steps)
+        if envelope is not None:
+            envelopes[precision] = envelope.record()
+        if "none" in modes:
+            rows.append(eager | {"precision": precision})
+        for mode in [m for m in modes if m != "none"]:
+            rows.append(judged(mode, settings, steps, envelope) | {"precision": precision})
     for row in rows:
-        if row["mode"] != "none" and row.get("trains"):
-            if row["precision"] == FP32:
-                row["verdict"] = parity.verdict(row, floor, gradient_floor)
-            elif row["precision"] in low:
-                loss_floor, tolerance = low[row["precision"]]
-                what = f"eager {row['precision']}"
-                row["verdict"] = parity.verdict(row, loss_floor, gradient_tolerance=tolerance, what=what)
-    target = cfg.model.get("_target_", "?")
-    return {
+        row.pop("step_one", None)
+    report = {
         "overrides": overrides,
         "steps": steps,
-        "model": target,
+        "model": cfg.model.get("_target_", "?"),
+        "precisions": list(precisions),
         "rows": rows,
-        "noise_floor": floor,
-        "noise_floors": floors,
-        "gradient_floor": gradient_floor,
-        "precision_floors": {p: {"loss": f, "step1_grads": g} for p, (f, g) in low.items()},
-        "chaotic": floor is not None and floor > parity.CHAOTIC_FLOOR,
+        "envelopes": envelopes,
         "random_forward": random,
         "torch": torch.__version__,
     }
+    if strict and (failed := parity.failures(report)):
+        raise parity.ParityFailed(failed, report)
+    return report

@@ -1,4 +1,5 @@
-"""The table `ortflow-check` prints: a row per mode and precision, eager's noise floor in the caption."""
+"""The table `ortflow-check` prints: a row per mode and precision; in its caption, eager's own noise (the envelope
+each row is held to) and the smallest errors the check catches."""
 
 from typing import Any
 
@@ -14,38 +15,70 @@ RANDOM_FORWARD = (
 )
 
 
-def floor_text(report: dict[str, Any]) -> str:
-    floor = report.get("noise_floor")
-    if floor is None:
-        return "eager's noise floor: not measured (eager did not train)"
-    text = (
-        f"eager's own noise floor {floor:.1e}: the largest loss difference of eager against itself with every weight "
-        f"moved by one ulp ({len(report['noise_floors'])} seeds, the same steps)"
-    )
-    if (gradients := report.get("gradient_floor")) is not None:
-        text += f"; their step-1 gradients {gradients:.1e} from eager's"
-    if report.get("chaotic"):
-        text += (
-            f"; over {parity.CHAOTIC_FLOOR:.0e}: a chaotic model, whose loss after a few steps depends on the last "
-            "bit of its weights"
+def _names(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(f"'{n}'" for n in names[:shown]) + more
+
+
+def detectable_text(detectable: dict[str, Any]) -> str:
+    """The smallest errors the check catches, in words."""
+    parts = []
+    for what, label in (("gradient", "step-1 gradient"), ("buffer", "buffer after step 1")):
+        found = detectable.get(what)
+        if found is None:
+            continue
+        noisy = found["rounding_noise"]
+        if found["error"] is None:
+            text = f"no {label} determined by the model"
+        elif found["bounded_by"] is None:
+            text = f"any {label} off by more than {found['error']:.1e} (relative; the floor, fp32 rounding)"
+        else:
+            text = (
+                f"any {label} off by more than {found['error']:.1e} (relative; {parity.MARGIN:g}x the most one-ulp "
+                f"weights moved any, '{found['bounded_by']}''s: {found['spread']:.1e})"
+            )
+        if noisy:
+            text += (
+                f", except {len(noisy)} whose values are eager's own rounding noise (one-ulp weights move them by more "
+                f"than {parity.NOISY:g}): {_names(noisy)}"
+            )
+        parts.append(text)
+    if found := detectable.get("update"):
+        parts.append(f"a first update more than {found['ulps']} ulps of a weight from torch's optimizer's")
+    if loss := detectable.get("loss"):
+        parts.append(f"a loss off by more than {loss['step_1']:.1e} at step 1 ({loss['last_step']:.1e} at the last)")
+    return "smallest errors caught: " + "; ".join(parts)
+
+
+def envelope_text(report: dict[str, Any]) -> str:
+    if not report.get("envelopes"):
+        return "eager's own noise: not measured (eager did not train)"
+    lines = []
+    for precision, envelope in report["envelopes"].items():
+        band = " ".join(f"{b:.0e}" for b in envelope["loss_band"])
+        lines.append(
+            f"{precision}: eager's own noise, {envelope['seeds']} runs from one-ulp weights: loss band by step {band}; "
+            f"a row passes within {envelope['loss_margin']:g}x it (at least {envelope['floors']['loss']:.0e}), its "
+            f"step-1 gradients and buffers within {envelope['margin']:g}x their own spread (at least "
+            f"{envelope['floors']['gradient']:.0e}). " + detectable_text(envelope["detectable"])
         )
-    for precision, low in report.get("precision_floors", {}).items():
-        grads = f"{low['step1_grads']:.1e}" if low["step1_grads"] is not None else "-"
-        text += (
-            f"\n{precision} rows are held to eager {precision}'s own distance from eager fp32: loss {low['loss']:.1e}, "
-            f"step-1 gradients {grads}"
-        )
-    return text
+    return "\n".join(lines)
+
+
+def _gradients(row: dict[str, Any]) -> str:
+    found = row.get("gradients")
+    if not found or found.get("worst") is None:
+        return "-"
+    return f"{found['difference']:.1e} ('{found['worst']}', tol {found['tolerance']:.0e})"
 
 
 def table(report: dict[str, Any]) -> Table:
-    caption = [floor_text(report), *([RANDOM_FORWARD] if report["random_forward"] else [])]
+    caption = [envelope_text(report), *([RANDOM_FORWARD] if report["random_forward"] else [])]
     table = Table(
         title=f"ortflow-check: {report['model']} ({report['steps']} steps, dropout off)", caption="\n".join(caption)
     )
-    columns = ("accel", "precision", "trains", "executed by", "loss vs eager", "step-1 grads vs eager", "verdict")
-    columns = (*columns, "step ms")
-    for column in (*columns, "first step s", "graph fixes"):
+    columns = ("accel", "precision", "trains", "executed by", "loss vs eager", "step-1 grads vs eager (worst)")
+    for column in (*columns, "verdict", "step ms", "first step s", "graph fixes"):
         table.add_column(column)
     for r in report["rows"]:
         if not r["trains"]:
@@ -53,15 +86,15 @@ def table(report: dict[str, Any]) -> Table:
             table.add_row(r["mode"], r.get("precision", FP32), reason, "", "", "", "", "", "", "")
             continue
         loss = r.get("max_rel_loss_diff")
-        grads = r.get("grad_rel_diff")
+        reference = r["mode"] == "none"
         table.add_row(
             r["mode"],
             r.get("precision", FP32),
             "[green]yes[/green]",
             r["executed_by"],
-            "reference" if r["mode"] == "none" else (f"{loss:.1e}" if loss is not None else "-"),
-            "reference" if r["mode"] == "none" else (f"{grads:.1e}" if grads is not None else "-"),
-            "reference" if r["mode"] == "none" else r.get("verdict", "-"),
+            "reference" if reference else (f"{loss:.1e}" if loss is not None else "-"),
+            "reference" if reference else _gradients(r),
+            "reference" if reference else r.get("verdict", "-"),
             f"{r['step_ms']:.1f}",
             f"{r['first_step_s']:.2f}",
             ", ".join(f"{k}={v}" for k, v in r["graph_fixes"].items()) or "-",

@@ -1,10 +1,10 @@
 """`ortflow-check [OVERRIDES]`: before choosing `accel=`, try every accel mode for a few steps on the model and data
 the overrides describe, and print one table: whether each mode trains (or the one-line reason it does not), loss
-parity against eager on the same batches and the same initial weights (dropout off), step-1 gradients against
-eager's, a verdict against eager's own noise floor (ortflow/check/parity.py), step time, and the graph fixes
-ortflow applied.
-With `--precision fp32,bf16-mixed` every mode is tried in each precision, against eager in the same precision; a bf16
-row's noise floor is eager bf16's own distance from eager fp32 (losses and step-1 gradients).
+parity against eager on the same batches and the same initial weights (dropout off), each parameter's step-1
+gradient against eager's, a verdict against eager's own noise (ortflow/check/parity.py), the smallest errors the check
+can see, step time, and the graph fixes ortflow applied.
+Every row and eager's own noise run in the config's trainer.precision, or in each of `--precision fp32,bf16-mixed`.
+With `--strict` the command exits with status 1 when a row differs (for a CI gate).
 The result also goes to a JSON file (`--out`, default outputs/check/<time>.json).
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ortflow.check import parity
 from ortflow.check.modes import MODES, check
 from ortflow.check.table import table
 from ortflow.config import BF16, FP32
@@ -30,13 +31,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated accel modes (default: all)")
     parser.add_argument(
         "--precision",
-        default=FP32,
-        help=f"comma-separated trainer.precision values to try every mode in ({FP32}, {BF16}; default {FP32})",
+        help=f"comma-separated trainer.precision values to try every mode in ({FP32}, {BF16}; default: the config's)",
     )
+    parser.add_argument("--strict", action="store_true", help="exit with status 1 when a row differs")
     parser.add_argument("--out", type=Path, help="JSON file (default outputs/check/<time>.json)")
     args = parser.parse_args(argv)
-    precisions = tuple(args.precision.split(","))
-    if wrong := [p for p in precisions if p not in (FP32, BF16)]:
+    precisions = tuple(args.precision.split(",")) if args.precision else None
+    if wrong := [p for p in precisions or () if p not in (FP32, BF16)]:
         parser.error(f"--precision: unknown precision(s) {wrong}; choose from {FP32},{BF16}")
     out = args.out or Path("outputs") / "check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.json"
     overrides = [o for o in args.overrides if not o.startswith("accel=")]
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(report, indent=2, default=str))
     print(f"log: {out.with_suffix('.log')}")
     print(f"written to {out}")
+    if args.strict and (failed := parity.failures(report)):
+        print(f"ortflow-check --strict: {len(failed)} failed: " + "; ".join(failed), file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

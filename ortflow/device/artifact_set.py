@@ -117,6 +117,7 @@ def build(
     scale = lr / portable.RUNTIME_LR
     optimizer = onnx.load(str(folder / FILES["optimizer_model"]))
     graphs.scale_learning_rate(optimizer, scale)
+    graphs.hugging_face_adamw(optimizer)
     onnx.save(optimizer, str(folder / FILES["optimizer_model"]))
 
     initializer_names = {i.name for i in training.graph.initializer}

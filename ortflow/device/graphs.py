@@ -43,6 +43,20 @@ def scale_learning_rate(model: onnx.ModelProto, scale: float) -> int:
     return changed
 
 
+def hugging_face_adamw(model: onnx.ModelProto) -> int:
+    """Give the optimizer model's AdamWOptimizer ops adam_mode=1 (Hugging Face's AdamW conventions), the ones a set
+    for a device trains with and its reference reproduces (reference.py); the artifacts engine trains with torch's
+    (adam_mode=0: accel/torch_adamw.py). Returns the number of ops changed."""
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type == "AdamWOptimizer":
+            kept = [a for a in node.attribute if a.name != "adam_mode"]
+            del node.attribute[:]
+            node.attribute.extend([*kept, helper.make_attribute("adam_mode", 1)])
+            changed += 1
+    return changed
+
+
 def learning_rate_scale(model: onnx.ModelProto) -> float | None:
     """The constant `scale_learning_rate` put in, or None."""
     for init in model.graph.initializer:

@@ -18,6 +18,7 @@ MODELS = [
     "torchvision:efficientnet_b0",  # SiLU, squeeze-excitation, stochastic depth
     "torchvision:regnet_y_400mf",  # squeeze-excitation, grouped convolutions; ill-conditioned gradients at 32x32
     "torchvision:shufflenet_v2_x0_5",  # channel shuffle by view/transpose
+    "torchvision:squeezenet1_1",  # ReLUs everywhere: weights whose gradients are near AdamW's eps
     "torchvision:densenet121",
     "torchvision:convnext_shrunk",  # LayerNorm over channels, depthwise 7x7, permutes
     "timm:mobilenetv3_small_050",
@@ -46,7 +47,8 @@ def test_resnet18_gets_a_verdict(monkeypatch):
         [*IMAGES, "model=torchvision", "model.name=resnet18", "model.num_classes=10"], 5, ["none", "artifacts"]
     )
     row = next(r for r in report["rows"] if r["mode"] == "artifacts")
-    assert report["noise_floor"] is not None and row["verdict"].startswith("within eager's own noise"), row
+    assert report["envelopes"]["fp32"]["detectable"]["gradient"]["error"] is not None
+    assert row["verdict"].startswith("within eager's own noise"), row
 
 
 @pytest.mark.parametrize("name", ["lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large"])
