@@ -31,6 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--web", action="store_true", help="add web/: a page that trains the set in a browser")
     parser.add_argument("--ort-web", type=Path, help="onnxruntime-web 1.19.2's npm tarball or folder (default: npm)")
     parser.add_argument("--check-steps", type=int, default=5, help="steps of the torch-free check (default 5)")
+    parser.add_argument(
+        "--with-optimizer-state",
+        action="store_true",
+        help="carry the run's AdamW moments and step (refused: ONNX Runtime 1.19's API cannot write them)",
+    )
     args = parser.parse_args(argv)
     log_file = Path("outputs") / "export" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.log"
     with terminal.job_logging(log_file):
@@ -47,7 +52,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"browser: {manifest['web']['serve']}")
 
 
+# Why --with-optimizer-state is refused: what a user asking for it needs to know.
+NO_OPTIMIZER_STATE = (
+    "--with-optimizer-state: ONNX Runtime 1.19's training API (the last release with one) creates an optimizer's "
+    "moments itself, at zero with step 0, and has no call that sets them: a checkpoint can carry them only once a "
+    "device has trained. Exported sets start their optimizer fresh on the device, as manifest.json's `differences` "
+    "says; run without --with-optimizer-state (a short warm-up on the device, or a lower --lr, softens the restart)."
+)
+
+
 def _export(args: argparse.Namespace) -> dict:
+    if args.with_optimizer_state:
+        raise OrtflowError(NO_OPTIMIZER_STATE)
     if args.batch_size is not None and args.batch_size < 1:
         raise OrtflowError(f"--batch-size {args.batch_size}: give a positive batch size.")
     if args.check_steps < 1:

@@ -130,3 +130,14 @@ def test_the_torch_free_loader_sees_no_torch(tmp_path):
     done = subprocess.run([sys.executable, "-I", "-c", code, torch_free.__file__], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_with_optimizer_state_is_refused_before_anything_is_written(tmp_path, capsys):
+    from ortflow.cli import export_artifacts
+
+    with pytest.raises(SystemExit) as exit_:
+        export_artifacts.main([str(tmp_path / "run"), "--with-optimizer-state", "--out", str(tmp_path / "set")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--with-optimizer-state" in err and "start their optimizer fresh" in err
+    assert not (tmp_path / "set").exists()
