@@ -1,6 +1,7 @@
 """A malformed-input corpus generated from the schema: for every option, values just outside its declared range, a
-value of the wrong type, and an empty value where a string may not be empty. Each must stop with exit status 2
-(ortflow's check) or 1 (Hydra's type check), name the key, print no traceback, and change no existing file."""
+value of the wrong type, and an empty value where a string may not be empty. Each is refused naming the key; through
+the command (one case per schema and kind of value, and every empty string) it stops with exit status 2 (ortflow's
+check) or 1 (Hydra's type check), prints no traceback, and changes no existing file."""
 
 import dataclasses
 import enum
@@ -11,6 +12,7 @@ import typing
 import pytest
 from annotated_types import Ge, Gt, Interval, Le, Len, Lt
 
+import ortflow
 from ortflow.accel import artifacts, ortmodule
 from ortflow.config import (
     CheckpointConfig,
@@ -26,6 +28,7 @@ from ortflow.config import (
     TrainerConfig,
     TransformerModelConfig,
 )
+from ortflow.errors import ConfigError
 
 DIGITS = ["model=mlp", "data=digits"]
 # (overrides selecting the option, key prefix, its schema)
@@ -119,14 +122,41 @@ def cases() -> list:
     return found
 
 
+def _first_of_each_kind(cases: list) -> list:
+    """One case per schema and kind of bad value (outside, wrong type, empty): the ones run through the command."""
+    seen, first = set(), []
+    for case in cases:
+        select, key, _ = case.values
+        kind = (tuple(select), key.rsplit(".", 1)[0] if "." in key else "", case.id.split("-")[1])
+        if kind not in seen:
+            seen.add(kind)
+            first.append(case)
+    return first
+
+
 CASES = cases()
+# The command's error path (exit status, no traceback, no file touched) is the same for every key: the command runs
+# one case per schema and kind of bad value; every other case is composed and validated in-process (~3x faster), as
+# the command composes it.
+# Empty strings are refused where the value is used (data.source when the data is built), not by the schema: the
+# command runs each of those.
+EMPTY = [case for case in CASES if "-empty-" in case.id]
+COMMAND_CASES = _first_of_each_kind([case for case in CASES if case not in EMPTY]) + EMPTY
 
 
 def _files(root):
     return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize(("select", "key", "value"), CASES)
+@pytest.mark.parametrize(("select", "key", "value"), [case for case in CASES if case not in EMPTY])
+def test_a_value_outside_its_option_is_refused_naming_its_key(select, key, value):
+    with pytest.raises(ConfigError) as refused:
+        ortflow.compose([*select, f"{key}={value}"])
+    said = str(refused.value).split("do not compose into a config:")[-1]  # not the overrides echoed back
+    assert key in said, str(refused.value)
+
+
+@pytest.mark.parametrize(("select", "key", "value"), COMMAND_CASES)
 def test_a_value_outside_its_option_gets_a_clear_error(select, key, value, tmp_path, ortflow_cli):
     (tmp_path / "keep.txt").write_text("an existing file")
     before = _files(tmp_path)
