@@ -144,7 +144,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--launches",
         type=int,
-        default=3,
+        default=5,
         help="two-rank launches the launch stress test runs under CPU load (tests/run/test_launch.py; 30 to stress)",
     )
 

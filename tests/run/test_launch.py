@@ -1,7 +1,7 @@
 """How `ortflow ... distributed=ddp` starts its ranks (ortflow/run/launch.py, ortflow/run/rank_server.py): forked by a
 fork server that has one thread at every fork, never by the command whose agent runs threads; the rank's
 environment is the command's plus the agent's; and two-rank launches under CPU load, many times in a row
-(`pytest tests/run/test_launch.py --launches=30`; 3 by default)."""
+(`pytest tests/run/test_launch.py --launches=30`; 5 by default)."""
 
 import json
 import os
