@@ -141,3 +141,29 @@ def test_with_optimizer_state_is_refused_before_anything_is_written(tmp_path, ca
     err = capsys.readouterr().err
     assert "--with-optimizer-state" in err and "start their optimizer fresh" in err
     assert not (tmp_path / "set").exists()
+
+
+def test_the_torch_free_check_fails_on_each_planted_fault():
+    from ortflow.device.check import PARAMETER_TOLERANCE, TOLERANCE, DeviceRun, compare
+    from ortflow.device.reference import Reference
+
+    weights, mean, var = np.array([0.5, -2.0, 1.0]), np.array([0.1, 0.2]), np.array([1.0, 0.9])
+    tensors = [
+        {"torch_name": "layer.weight", "shape": [3], "offset": 0},
+        {"torch_name": "bn.running_mean", "shape": [2], "offset": 3},
+        {"torch_name": "bn.running_var", "shape": [2], "offset": 5},
+    ]
+    reference = Reference([2.0, 1.5], 1.4, {"layer.weight": weights}, {"bn": mean}, {"bn": var})
+    clean = {"forbidden_maps": [], "torch_importable": False, "training_package_init_run": False}
+
+    def run(losses=(2.0, 1.5), eval_loss=1.4, w=weights, m=mean, v=var, record=clean) -> list[str]:
+        device = DeviceRun(list(losses), eval_loss, np.concatenate([w, m, v]), record)
+        return compare(device, reference, tensors, None, 0).failures
+
+    assert run() == []
+    assert run(losses=(2.0, 1.5 * (1 + 2 * TOLERANCE)))  # a step's loss at twice the tolerance
+    assert run(eval_loss=1.4 * (1 + 2 * TOLERANCE))
+    assert run(w=weights + np.array([0.0, 2 * 2.0 * PARAMETER_TOLERANCE, 0.0]))  # one weight
+    assert run(m=mean + np.array([0.0, 1e-4]))  # one running mean
+    assert run(v=var * np.array([1.0, 1 + 1e-4]))  # one running variance (torch's unbiased one, say)
+    assert run(record={**clean, "forbidden_maps": ["/site-packages/torch/lib/libtorch_cpu.so"]})
