@@ -1,7 +1,6 @@
 """Shared fixtures: compose configs in-process, shrink every run, run the CLI in a subprocess."""
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -109,18 +108,6 @@ def custom_model(builder: str, **kwargs) -> list[str]:
 def run_dirs(root: Path) -> list[Path]:
     """Run directories (those holding a run.json or a .hydra folder) under root/outputs."""
     return sorted(p.parent for p in (root / "outputs").rglob(".hydra"))
-
-
-@pytest.fixture(autouse=True)
-def _signal_handlers_restored():
-    """Each test starts with the SIGINT and SIGTERM handlers the worker had: a library a test drives in-process (Ray,
-    a launcher) may install its own and keep it, and the tests of held signals then got that one, not Ctrl-C's.
-    ortflow's own calls restore theirs, which tests/test_api.py checks."""
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in before.items():
-        if signal.getsignal(sig) is not handler:
-            signal.signal(sig, handler)
 
 
 @pytest.fixture
