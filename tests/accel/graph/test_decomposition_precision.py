@@ -25,7 +25,7 @@ from ortflow.accel import artifacts
 from ortflow.accel.compat import export_warnings, torch_onnx
 from ortflow.accel.graph import decompositions, pipeline
 from ortflow.accel.graph import plan as graph_plan
-from tests.accel.graph.test_ops_without_gradient import ort_step, values
+from tests.accel.graph.test_ops_without_gradient import ort_step, train_once, values
 
 MAX_ULP = 4
 
@@ -60,9 +60,6 @@ def trained(
     """y and the gradients of sum(y) for x and each of `params` (trainable initializers, read through Identity
     nodes as in an exported model), from ORT's training graph of `nodes` (reading "x", writing "y", shaped like x
     unless `y_shape`)."""
-    from onnxruntime.training import artifacts, onnxblock
-    from onnxruntime.training.api import CheckpointState, Module
-
     trainable = {"x": x, **params}
     feeds = [helper.make_node("Identity", [f"{name}_param"], [name]) for name in trainable]
     loss = [
@@ -80,20 +77,8 @@ def trained(
         [numpy_helper.from_array(v, f"{name}_param") for name, v in trainable.items()],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
-    with tempfile.TemporaryDirectory() as tmp:
-        artifacts.generate_artifacts(
-            model,
-            requires_grad=[f"{name}_param" for name in trainable],
-            loss=None,
-            optimizer=onnxblock.optim.SGD(),
-            artifact_directory=tmp,
-            additional_output_names=["y"],
-        )
-        state = CheckpointState.load_checkpoint(str(Path(tmp) / "checkpoint"))
-        module = Module(str(Path(tmp) / "training_model.onnx"), state, str(Path(tmp) / "eval_model.onnx"))
-        module.train()
-        _, y, *_ = module(np.ones((), np.float32))
-        return (y, *(np.array(state.parameters[f"{name}_param"].grad) for name in trainable))
+    y, grads = train_once(model, list(trainable))
+    return (y, *grads.values())
 
 
 def decomposed(node: onnx.NodeProto) -> list[onnx.NodeProto]:

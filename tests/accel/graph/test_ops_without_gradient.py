@@ -4,6 +4,7 @@ accel/graph/decompositions.py). Each op alone, in the forms torch's exporter or 
 fixed, differentiated by generate_artifacts and run one training-API step, against torch's autograd on the same
 values."""
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,11 +30,6 @@ def ort_step(
     """ORT's gradients of sum(weights * node(params)) for each of `params` (trainable initializers fed to the node
     through Identity nodes, as in an exported model; `consts` its other inputs), after `fix`, and the node's
     output."""
-    import tempfile
-
-    from onnxruntime.training import artifacts, onnxblock
-    from onnxruntime.training.api import CheckpointState, Module
-
     feeds = [helper.make_node("Identity", [f"{name}_param"], [name]) for name in params]
     loss = [
         helper.make_node("Mul", ["y", "weights"], ["weighted"]),
@@ -58,10 +54,20 @@ def ort_step(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     assert fix(model) == 1
     onnx_gradients.register_gradients()
+    y, grads = train_once(model, list(params))
+    return grads, y
+
+
+def train_once(model: onnx.ModelProto, trainable: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """One training step of `model` in ORT's training API (its input: the loss scale "scale"; its outputs: "loss",
+    then "y"): y, and the gradient of each trainable initializer `NAME_param` by NAME."""
+    from onnxruntime.training import artifacts, onnxblock
+    from onnxruntime.training.api import CheckpointState, Module
+
     with tempfile.TemporaryDirectory() as tmp:
         artifacts.generate_artifacts(
             model,
-            requires_grad=[f"{name}_param" for name in params],
+            requires_grad=[f"{name}_param" for name in trainable],
             loss=None,
             optimizer=onnxblock.optim.SGD(),
             artifact_directory=tmp,
@@ -71,8 +77,7 @@ def ort_step(
         module = Module(str(Path(tmp) / "training_model.onnx"), state, str(Path(tmp) / "eval_model.onnx"))
         module.train()
         _, y, *_ = module(np.ones((), np.float32))
-        grads = {name: np.array(state.parameters[f"{name}_param"].grad) for name in params}
-    return grads, y
+        return y, {name: np.array(state.parameters[f"{name}_param"].grad) for name in trainable}
 
 
 def assert_trains_as_torch(
