@@ -17,14 +17,18 @@ from tests.helpers import zygote
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
-# A run small enough for seconds on 2 CPU cores, still through every part of the loop (log, eval, partial batch).
-TINY = [
+# The transformer at its smallest that still has every kind of layer (attention, feed-forward, dropout, norms).
+TINY_TRANSFORMER = [
     "model.d_model=32",
     "model.nhead=2",
     "model.num_layers=1",
     "model.dim_feedforward=64",
     "data.block_size=16",
     "data.batch_size=8",
+]
+# A run small enough for seconds on 2 CPU cores, still through every part of the loop (log, eval, partial batch).
+TINY = [
+    *TINY_TRANSFORMER,
     "trainer.max_steps=6",
     "trainer.eval_every=3",
     "trainer.eval_batches=3",

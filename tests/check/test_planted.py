@@ -15,21 +15,13 @@ import pytest
 from ortflow.accel.graph import pipeline
 from ortflow.check import parity
 from ortflow.check.modes import check, judged, reference, settings_in
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY_TRANSFORMER
 from tests.helpers import plants
 
 STEPS = 2
 ENGINES = ("artifacts", "ortmodule")
 MODELS = {
-    "transformer": [
-        "+recipe=transformer",
-        "model.d_model=32",
-        "model.nhead=2",
-        "model.num_layers=1",
-        "model.dim_feedforward=64",
-        "data.block_size=16",
-        "data.batch_size=8",
-    ],
+    "transformer": ["+recipe=transformer", *TINY_TRANSFORMER],
     "resnet": ["+recipe=vision", "model.width=8", "data.train_images=64", "data.val_images=16", "data.batch_size=8"],
     "gpt2": [
         "model=hf",

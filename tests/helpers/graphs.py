@@ -23,17 +23,11 @@ from ortflow.paths import compose_config
 from ortflow.run.runner import build_data, build_model, engine_context
 from ortflow.run.seeding import seed_everything, seed_step
 from ortflow.step.batch import split_batch
+from tests.conftest import TINY_TRANSFORMER
 
 # Each recipe shrunk to seconds, keeping every kind of layer it has (dropout included).
 SMALL = {
-    "transformer": [
-        "model.d_model=32",
-        "model.nhead=2",
-        "model.num_layers=1",
-        "model.dim_feedforward=64",
-        "data.block_size=16",
-        "data.batch_size=8",
-    ],
+    "transformer": TINY_TRANSFORMER,
     "vision": ["model.width=8", "data.batch_size=8"],
     "digits": ["data.batch_size=8"],
 }
