@@ -166,7 +166,16 @@ class RayLauncher(Launcher):
                 config.hydra.job.id = f"ray_{idx}"
                 config.hydra.job.num = idx
             resources = {**self.resources, **(OmegaConf.select(config, "hydra.launcher.resources") or {})}
-            submit({"idx": idx, "overrides": list(overrides), "config": config, "resources": resources, "attempt": 0})
+            job = {"idx": idx, "overrides": list(overrides), "config": config, "resources": resources, "attempt": 0}
+            if self._offered(resources):
+                submit(job)
+                continue
+            results[idx] = self._failed(
+                job,
+                f"no live node of the cluster offers the resources it is pinned with, hydra.launcher.resources="
+                f"{resources} (a node offers them with `ray start --resources`); Ray would wait for such a node for "
+                "ever",
+            )
         while jobs:
             (ref,), _ = ray.wait(list(jobs), num_returns=1)
             job = jobs.pop(ref)
@@ -179,40 +188,45 @@ class RayLauncher(Launcher):
                     job["resources"] = self._still_offered(job["resources"], job["idx"], _lost_node(err))
                     submit(job)
                     continue
-                results[job["idx"]] = self._failed(job, err, lost)
+                reason = (
+                    f"lost its Ray worker or node after {job['attempt']} attempt(s) (hydra.launcher.max_retries="
+                    f"{self.max_retries}): {_first_line(err)}"
+                    if lost
+                    else f"Ray could not run the job: {_first_line(err)}"
+                )
+                results[job["idx"]] = self._failed(job, reason)
         return [results[idx] for idx in sorted(results)]
 
-    def _still_offered(self, resources: dict[str, float], idx: int, lost: str | None) -> dict[str, float]:
-        """The job's custom resources if a live node other than the one it was lost on offers them all, else none
-        (the job then runs on any live node). The lost node may still be listed alive for a while after its
-        tasks failed (until its heartbeats are missed)."""
+    @staticmethod
+    def _offered(resources: dict[str, float], lost: str | None = None) -> bool:
+        """Whether a live node (other than `lost`) offers all of the custom `resources`. A lost node may still be
+        listed alive for a while after its tasks failed (until its missed heartbeats are noticed)."""
         import ray
 
         offered = [n["Resources"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != lost]
-        if not resources or any(all(r.get(k, 0) >= v for k, v in resources.items()) for r in offered):
+        return not resources or any(all(r.get(k, 0) >= v for k, v in resources.items()) for r in offered)
+
+    def _still_offered(self, resources: dict[str, float], idx: int, lost: str | None) -> dict[str, float]:
+        """The job's custom resources if a live node other than the one it was lost on offers them all, else none
+        (the job then runs on any live node)."""
+        if self._offered(resources, lost):
             return resources
         log.warning("job %d: no live node offers %s any more; it runs again without them", idx, resources)
         return {}
 
-    def _failed(self, job: dict[str, Any], err: Exception, lost: bool) -> JobReturn:
-        """A job that cannot run again: its run.json says why, and its result is NaN (as for any failed job of an
+    def _failed(self, job: dict[str, Any], reason: str) -> JobReturn:
+        """A job that cannot run (again): its run.json says why, and its result is NaN (as for any failed job of an
         ortflow sweep), so that the sweep goes on and its summary lists the failure."""
         from ortflow.files import read_record, write_json_atomic
         from ortflow.run.metadata import now
 
         config = job["config"]
-        reason = (
-            f"lost its Ray worker or node after {job['attempt']} attempt(s) (hydra.launcher.max_retries="
-            f"{self.max_retries}): {_first_line(err)}"
-            if lost
-            else f"Ray could not run the job: {_first_line(err)}"
-        )
         log.error("job %d failed: %s", job["idx"], reason)
         run_dir = Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
-        if run_dir.is_dir():
-            record = read_record(run_dir) or {"overrides": job["overrides"]}
-            record |= {"status": "failed", "error": reason, "finished": now()}
-            write_json_atomic(run_dir / "run.json", record)
+        run_dir.mkdir(parents=True, exist_ok=True)  # a job that never started has no dir yet
+        record = read_record(run_dir) or {"overrides": job["overrides"]}
+        record |= {"status": "failed", "error": reason, "finished": now()}
+        write_json_atomic(run_dir / "run.json", record)
         with open_dict(config):
             config.hydra.runtime.output_dir = str(run_dir)  # where the sweep (and Optuna's) reads the job's record
         result = JobReturn(overrides=job["overrides"], cfg=config, hydra_cfg=config, working_dir=str(run_dir))

@@ -37,8 +37,11 @@ def _placement(record: dict[str, Any]) -> str:
 
 
 def job_rows(sweep_dir: Path, objective: str = "eval/loss") -> list[dict[str, Any]]:
-    """One row per job dir (a numbered folder with a .hydra/ inside), in job order."""
-    jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()), key=_job_key)
+    """One row per job dir (a folder with a .hydra/ inside, or a run.json: a launcher's record of a job it could not
+    start), in job order."""
+    jobs = sorted(
+        (p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir() or (p / "run.json").is_file()), key=_job_key
+    )
     rows = []
     for job in jobs:
         record = read_record(job) or {"status": "no record (the job did not start training)"}

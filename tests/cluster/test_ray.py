@@ -2,7 +2,8 @@
 1 CPU each. A grid runs on both nodes, each job in a fresh worker with its CPUs and threads recorded; the second
 node's raylet is killed (by pid) while a job pinned to it trains, and that job runs again on the head, continuing its
 checkpoint to the same weights as an uninterrupted twin; with retries off it fails with a record while the sweep
-returns the other job; and an Optuna sweep runs its trials two at a time, pruning through the study's storage."""
+returns the other job (and a job pinned to a resource no node offers fails at once); and an Optuna sweep runs its
+trials two at a time, pruning through the study's storage."""
 
 import csv
 import json
@@ -35,6 +36,7 @@ SPOTS = {
     "b": "seed: 1\n",
     "c": "seed: 2\n",
     "d": "seed: 0\nhydra:\n  launcher:\n    resources: {second_node: 1}\n",
+    "e": "seed: 1\nhydra:\n  launcher:\n    resources: {nowhere: 1}\n",  # no node offers it
 }
 
 
@@ -54,11 +56,6 @@ def spots(root: Path, names: str) -> list[str]:
 
 def record(job_dir: Path) -> dict:
     return json.loads((job_dir / "run.json").read_text())
-
-
-def second_node(cluster: RayCluster) -> str:
-    (node,) = [n["NodeID"] for n in cluster.nodes_alive() if n["Resources"].get("second_node")]
-    return node
 
 
 def sweep(cluster: RayCluster, cwd: Path, *args: str) -> subprocess.Popen:
@@ -141,7 +138,7 @@ def test_optuna_runs_trials_two_at_a_time_on_the_cluster_and_prunes_through_the_
 
 def test_a_grid_on_two_nodes_survives_a_killed_node_and_its_job_resumes_elsewhere(cluster, tmp_path):
     sweep_dir = tmp_path / "grid"
-    second = second_node(cluster)
+    second = cluster.second_node()
     killed: list[int] = []
     driver = sweep(cluster, tmp_path, *JOB, *spots(tmp_path, "abcd"), f"hydra.sweep.dir={sweep_dir}")
     watcher = kill_when_training(cluster, sweep_dir / "3", second, killed)
@@ -175,12 +172,10 @@ def test_a_grid_on_two_nodes_survives_a_killed_node_and_its_job_resumes_elsewher
 
 
 def test_with_retries_off_a_lost_job_fails_with_a_record_and_the_sweep_returns_the_others(cluster, tmp_path):
-    if len(cluster.nodes_alive()) < 2:
-        cluster.restart_second()
     sweep_dir = tmp_path / "noretry"
-    second = second_node(cluster)
+    second = cluster.second_node()
     killed: list[int] = []
-    args = [*JOB, *spots(tmp_path, "ad"), "hydra.launcher.max_retries=0", f"hydra.sweep.dir={sweep_dir}"]
+    args = [*JOB, *spots(tmp_path, "ade"), "hydra.launcher.max_retries=0", f"hydra.sweep.dir={sweep_dir}"]
     driver = sweep(cluster, tmp_path, *args)
     watcher = kill_when_training(cluster, sweep_dir / "1", second, killed)
     out = finish(driver)
@@ -191,5 +186,9 @@ def test_with_retries_off_a_lost_job_fails_with_a_record_and_the_sweep_returns_t
     failed = record(sweep_dir / "1")
     assert failed["status"] == "failed" and "lost its Ray worker or node" in failed["error"]
     assert "max_retries=0" in failed["error"]
+    # Pinned to a resource no node offers: refused at once with a record, not left waiting for such a node.
+    unplaced = record(sweep_dir / "2")
+    assert unplaced["status"] == "failed" and "no live node of the cluster offers" in unplaced["error"]
+    assert "'nowhere': 1" in unplaced["error"]
     rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
-    assert [r["status"] for r in rows] == ["completed", "failed"]
+    assert [r["status"] for r in rows] == ["completed", "failed", "failed"]

@@ -11,6 +11,7 @@ Outside CI a missing tool (ray, slurm-wlm, unshare) skips the tests with the rea
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -139,11 +140,34 @@ class RayCluster:
         self._start(f"--address={self.address}", '--resources={"second_node": 1}')
         self._wait_for_nodes(2)
 
-    def restart_second(self) -> None:
-        """A new second node, after the last one was killed (what is left of it is stopped first)."""
-        node = self.nodes.pop()
-        _stop(node, self.seen.pop(node, {}))
-        self._start_second()
+    def second_node(self) -> str:
+        """The node id of a live second node, started again if its raylet was killed, once Ray lists it as the only
+        live node offering `second_node` (a killed node stays listed alive until its missed heartbeats are noticed,
+        and a job pinned to it would wait for it for ever)."""
+        found = self._raylet(self.nodes[-1])
+        if found is None:
+            node = self.nodes.pop()
+            _stop(node, self.seen.pop(node, {}))
+            self._start_second()
+            found = self._raylet(self.nodes[-1])
+        if found is None:
+            raise RuntimeError(f"the second Ray node has no raylet: {self.logs()}")
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            offering = [n["NodeID"] for n in self.nodes_alive() if n["Resources"].get("second_node")]
+            if offering == [found[1]]:
+                return found[1]
+            time.sleep(1)
+        raise RuntimeError(f"Ray still lists {offering} offering second_node, not only node {found[1]}")
+
+    def _raylet(self, node: subprocess.Popen) -> tuple[int, str] | None:
+        """The pid and node id of the raylet that `node`'s `ray start` started, if it still runs."""
+        for pid in _descendants(node.pid):
+            line = _cmdline(pid)
+            found = re.search(r"--node_id=([0-9a-f]+)", line)
+            if "raylet" in line.split(" ", 1)[0] and found:
+                return pid, found.group(1)
+        return None
 
     def nodes_alive(self) -> list[dict]:
         """ray.nodes() as a driver in the namespace sees it."""
@@ -177,10 +201,9 @@ class RayCluster:
     def raylet_pid(self, node_id: str) -> int:
         """The pid of the raylet of node `node_id` (one of the processes its `ray start` started)."""
         for node in self.nodes:
-            for pid in _descendants(node.pid):
-                line = _cmdline(pid)
-                if "raylet" in line.split(" ", 1)[0] and f"--node_id={node_id}" in line:
-                    return pid
+            found = self._raylet(node)
+            if found is not None and found[1] == node_id:
+                return found[0]
         raise LookupError(f"no raylet of node {node_id}")
 
     def stop(self) -> None:
