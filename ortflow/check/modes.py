@@ -98,9 +98,10 @@ def try_mode(
     model: Callable[[DictConfig, Data], nn.Module],
     reference: list[float] | None = None,
     grads: bool = True,
+    skip: int = 0,
 ) -> dict[str, Any]:
-    """Train `steps` steps of the model `model(cfg, data)` builds in `mode`; a row of the table (with `grads`, what
-    its first step leaves under "step_one": capture.StepOne)."""
+    """Train `steps` steps of the model `model(cfg, data)` builds in `mode`, on the batches after the first `skip`;
+    a row of the table (with `grads`, what its first step leaves under "step_one": capture.StepOne)."""
     row: dict[str, Any] = {"mode": mode}
     try:
         cfg = _compose(overrides, mode)
@@ -109,7 +110,7 @@ def try_mode(
         seed_everything(cfg.seed)
         data = build_data(cfg)
         built = model(cfg, data)
-        batches = list(itertools.islice(ResumableBatches(data.train), steps))
+        batches = list(itertools.islice(ResumableBatches(data.train), skip, skip + steps))
         with tempfile.TemporaryDirectory(prefix="ortflow-check-") as tmp:
             engine = accel.build(cfg.accel, engine_context(cfg, built, data, Path(tmp)))
             losses, times = [], []
@@ -165,13 +166,13 @@ def _without_precision(overrides: list[str]) -> list[str]:
     return [o for o in overrides if not o.lstrip("+~").startswith("trainer.precision=")]
 
 
-def _noise_runs(settings: list[str], steps: int, precision: str) -> list[dict[str, Any]]:
+def _noise_runs(settings: list[str], steps: int, precision: str, skip: int = 0) -> list[dict[str, Any]]:
     """Eager again from weights moved by one ulp of the precision it computes in (bf16's with bf16-mixed)."""
     dtype = torch.bfloat16 if precision == BF16 else torch.float32
     runs = []
     for seed in parity.NOISE_SEEDS:
         one_ulp = lambda cfg, data, seed=seed: parity.perturbed(fresh_model(cfg, data), seed, dtype)  # noqa: E731
-        runs.append(try_mode("none", settings, steps, one_ulp))
+        runs.append(try_mode("none", settings, steps, one_ulp, skip=skip))
     return runs
 
 
@@ -180,21 +181,29 @@ def settings_in(overrides: list[str], precision: str) -> list[str]:
     return [*_without_precision(overrides), f"trainer.precision={precision}"]
 
 
-def reference(settings: list[str], steps: int) -> tuple[dict[str, Any], parity.Envelope | None]:
-    """Eager's row and its own noise (None where eager did not train) for the config `settings` describe."""
-    eager = try_mode("none", settings, steps, fresh_model)
+def reference(settings: list[str], steps: int, skip: int = 0) -> tuple[dict[str, Any], parity.Envelope | None]:
+    """Eager's row and its own noise (None where eager did not train) for the config `settings` describe, on the
+    batches after the first `skip`."""
+    eager = try_mode("none", settings, steps, fresh_model, skip=skip)
     if not eager["trains"]:
         return eager, None
     precision = str(_compose(settings, "none").trainer.precision)
-    return eager, parity.Envelope.measure(eager, _noise_runs(settings, steps, precision))
+    return eager, parity.Envelope.measure(eager, _noise_runs(settings, steps, precision, skip))
 
 
 def judged(mode: str, settings: list[str], steps: int, envelope: parity.Envelope | None) -> dict[str, Any]:
-    """`mode`'s row, with its verdict against eager's envelope when both trained."""
+    """`mode`'s row, with its verdict against eager's envelope when both trained. A row that differs only by step-1
+    gradients over their tolerance (and perhaps its later losses) is judged again from the next batch, as a kink that
+    rounding flipped would (parity.confirm)."""
     row = try_mode(mode, settings, steps, fresh_model)
     if envelope is not None and row["trains"]:
         cfg = _compose(settings, mode)
         row["verdict"] = parity.judge(row, envelope, cfg.optim, cfg.trainer.grad_clip)
+        if parity.may_be_a_kink(row):
+            _, next_envelope = reference(settings, steps, skip=1)
+            again = try_mode(mode, settings, steps, fresh_model, skip=1)
+            row["verdict"] = parity.confirm(row, next_envelope, again, cfg.optim, cfg.trainer.grad_clip)
+            again.pop("step_one", None)
     return row
 
 

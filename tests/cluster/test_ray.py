@@ -91,7 +91,7 @@ def kill_when_training(cluster: RayCluster, job_dir: Path, node_id: str, killed:
     return thread
 
 
-def finish(driver: subprocess.Popen, timeout: int = 900) -> str:
+def finish(driver: subprocess.Popen, timeout: int = 300) -> str:
     try:
         driver.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
