@@ -54,17 +54,13 @@ def host() -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
+    """The versions a run records, from the installed distributions' metadata (an eager run imports neither onnx nor
+    onnxruntime)."""
     import hydra
-    import onnx
-    import onnxruntime
 
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "onnxruntime-training": onnxruntime.__version__,
-        "onnx": onnx.__version__,
-        "hydra": hydra.__version__,
-    }
+    from ortflow.accel.compat.versions import installed_versions
+
+    return {"python": platform.python_version(), **installed_versions(), "hydra": hydra.__version__}
 
 
 def now() -> str:

@@ -65,6 +65,7 @@ def serve(path: str) -> None:
     import torch.utils.tensorboard
 
     import ortflow.cli.train
+    import ortflow.data.digits  # scikit-learn: a second a run, and the digits are the tests' most common data
     import ortflow.run.runner  # noqa: F401
 
     threads = torch.get_num_threads()

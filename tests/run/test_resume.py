@@ -213,7 +213,9 @@ def test_a_run_writes_nothing_outside_its_run_dir(accel, tmp_path):
     home, tmp, work = tmp_path / "home", tmp_path / "tmp", tmp_path / "work"
     for d in (home, tmp, work):
         d.mkdir()
-    env = {"HOME": str(home), "TMPDIR": str(tmp)}
+    # torch (2.14) makes its compile cache's folder when torch._dynamo is imported (torch.optim imports it), and sets
+    # TORCHINDUCTOR_CACHE_DIR in that process: given here, the test is the same alone as after a test that did so.
+    env = {"HOME": str(home), "TMPDIR": str(tmp), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch-cache")}
     result = run_cli(*TINY, f"accel={accel}", "hydra.run.dir=run", cwd=work, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [p.name for p in work.iterdir()] == ["run"]

@@ -6,7 +6,6 @@ import importlib.metadata
 import logging
 import os
 
-import onnx
 import torch
 
 from ortflow.accel.compat import torch_patches
@@ -34,8 +33,17 @@ def _onnxruntime_version() -> str:
     return onnxruntime.__version__
 
 
+def _onnx_version() -> str:
+    """From the installed distribution's metadata, as onnxruntime's (importing onnx takes 0.3 s)."""
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version("onnx")
+    import onnx
+
+    return onnx.__version__
+
+
 def installed_versions() -> dict[str, str]:
-    return {"torch": torch.__version__, "onnxruntime-training": _onnxruntime_version(), "onnx": onnx.__version__}
+    return {"torch": torch.__version__, "onnxruntime-training": _onnxruntime_version(), "onnx": _onnx_version()}
 
 
 def untested_versions() -> dict[str, str]:
@@ -50,9 +58,14 @@ def untested_versions() -> dict[str, str]:
 
 def prepare() -> list[str]:
     """Before any ORT import or export: refuse untested versions (`require_supported_versions`), then apply the
-    Python-side patches the installed torch needs (torch_patches). Returns the names of those patches."""
+    Python-side patches the installed torch needs (torch_patches), then import ORT's binding and give it the seed set
+    before it was imported (ort.seed_on_import). Returns the names of those patches."""
     require_supported_versions()
-    return torch_patches.apply()
+    applied = torch_patches.apply()
+    from ortflow.accel.compat.ort import seed_on_import
+
+    seed_on_import()
+    return applied
 
 
 def require_supported_versions() -> None:
