@@ -11,7 +11,7 @@ import random
 import numpy as np
 import torch
 
-from ortflow.accel.compat.ort import set_ort_seed
+from ortflow.accel.compat.ort_seed import set_ort_seed
 
 
 def seed_everything(seed: int) -> None:

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from ortflow.accel.compat import torch_patches
+from ortflow.accel.compat import ort_seed, torch_patches
 from ortflow.errors import OrtflowError
 
 log = logging.getLogger(__name__)
@@ -59,12 +59,10 @@ def untested_versions() -> dict[str, str]:
 def prepare() -> list[str]:
     """Before any ORT import or export: refuse untested versions (`require_supported_versions`), then apply the
     Python-side patches the installed torch needs (torch_patches), then import ORT's binding and give it the seed set
-    before it was imported (ort.seed_on_import). Returns the names of those patches."""
+    before it was imported (ort_seed.seed_on_import). Returns the names of those patches."""
     require_supported_versions()
     applied = torch_patches.apply()
-    from ortflow.accel.compat.ort import seed_on_import
-
-    seed_on_import()
+    ort_seed.seed_on_import()
     return applied
 
 
