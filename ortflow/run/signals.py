@@ -105,14 +105,27 @@ def interrupt_on_signals() -> Iterator[None]:
         yield
         return
 
+    leaving = False
+    late: list[int] = []  # signals that came while the previous handlers were being put back
+
     def handler(signum: int, _frame) -> None:
+        if leaving:
+            late.append(signum)
+            return
         for sig in previous:  # a repeated Ctrl-C must not cut short the stop it started (the run's record)
             signal.signal(sig, signal.SIG_IGN)
         raise Interrupted(signum)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous: dict[int, Any] = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, handler)
     try:
         yield
     finally:
+        # A signal landing half-way would otherwise leave a handler ignored (SIG_IGN) in the caller's process after
+        # the run (a notebook that Ctrl-C no longer interrupts): it is raised again once the caller's are back.
+        leaving = True
         for sig, old in previous.items():
             signal.signal(sig, old)
+        for sig in late:
+            signal.raise_signal(sig)

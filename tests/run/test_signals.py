@@ -3,10 +3,13 @@ the accel modes where that moment exists: run.json always says what happened (ne
 status is the documented one, and no partial checkpoint is left visible."""
 
 import json
+import os
+import signal
 
 import pytest
 
 from ortflow.run import checkpoint
+from ortflow.run.signals import interrupt_on_signals
 from tests.conftest import TINY, USER_ENV, custom_model, run_cli
 
 # (moment, signal, accel mode) -> (exit status, run.json status)
@@ -47,3 +50,28 @@ def test_a_signal_at_any_moment_is_recorded(moment, sig, accel, exit_status, sta
     if moment in ("start-up", "export") and status == "interrupted":  # never trained: the dir may be reused
         again = run_cli(*TINY, "hydra.run.dir=run", cwd=tmp_path)
         assert again.returncode == 0, again.stderr[-3000:]
+
+
+def test_a_ctrl_c_while_a_run_puts_the_handlers_back_reaches_the_callers_handler(monkeypatch):
+    """A signal landing while interrupt_on_signals puts the caller's handlers back (a notebook's Ctrl-C at the end
+    of ortflow.train) waits until they are back, and goes to them: neither is left ignored."""
+    got: list[int] = []
+    caller = signal.signal(signal.SIGINT, lambda signum, _frame: got.append(signum))
+    real = signal.signal
+    sent: list[bool] = []
+
+    def restoring(sig, handler):  # Ctrl-C arrives as the first handler goes back
+        if sig == signal.SIGTERM and handler is not signal.SIG_IGN and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(sig, handler)
+
+    try:
+        with interrupt_on_signals():
+            monkeypatch.setattr(signal, "signal", restoring)
+        monkeypatch.setattr(signal, "signal", real)
+        assert got == [signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    finally:
+        real(signal.SIGINT, caller)
