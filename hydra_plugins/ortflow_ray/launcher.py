@@ -188,12 +188,7 @@ class RayLauncher(Launcher):
                     job["resources"] = self._still_offered(job["resources"], job["idx"], _lost_node(err))
                     submit(job)
                     continue
-                reason = (
-                    f"lost its Ray worker or node after {job['attempt']} attempt(s) (hydra.launcher.max_retries="
-                    f"{self.max_retries}): {_first_line(err)}"
-                    if lost
-                    else f"Ray could not run the job: {_first_line(err)}"
-                )
+                reason = self._lost(job, err) if lost else f"Ray could not run the job: {_first_line(err)}"
                 results[job["idx"]] = self._failed(job, reason)
         return [results[idx] for idx in sorted(results)]
 
@@ -213,6 +208,12 @@ class RayLauncher(Launcher):
             return resources
         log.warning("job %d: no live node offers %s any more; it runs again without them", idx, resources)
         return {}
+
+    def _lost(self, job: dict[str, Any], err: Exception) -> str:
+        return (
+            f"lost its Ray worker or node after {job['attempt']} attempt(s) (hydra.launcher.max_retries="
+            f"{self.max_retries}): {_first_line(err)}"
+        )
 
     def _failed(self, job: dict[str, Any], reason: str) -> JobReturn:
         """A job that cannot run (again): its run.json says why, and its result is NaN (as for any failed job of an

@@ -8,6 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from ortflow.errors import OrtflowError
+from ortflow.report.sweep import job_rows
 from ortflow.run import placement, pruning
 
 
@@ -38,14 +39,18 @@ def test_a_job_the_ray_launcher_cannot_run_again_is_recorded_failed(tmp_path):
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path), "subdir": "3"}, "runtime": {}}})
     launcher = RayLauncher(None, 1, None, {}, 0, {})
     message = "Task failed because the node it was running on is dead. Node IP: 127.0.0.1, node ID: " + "c0" * 28
-    result = launcher._failed(
-        {"idx": 3, "overrides": ["seed=3"], "config": config, "attempt": 1}, OSError(message), True
-    )
+    job = {"idx": 3, "overrides": ["seed=3"], "config": config, "attempt": 1}
+    result = launcher._failed(job, launcher._lost(job, OSError(message)))
     saved = json.loads((job_dir / "run.json").read_text())
     assert saved["status"] == "failed" and "max_retries=0" in saved["error"] and saved["overrides"] == ["seed=3"]
     assert result.return_value != result.return_value  # NaN, as every failed job of a sweep returns
     assert result.hydra_cfg.hydra.runtime.output_dir == str(job_dir)
     assert _lost_node(OSError(message)) == "c0" * 28 and _lost_node(OSError("gone")) is None
+    # A job that never started (pinned to resources no node offers) gets its dir and record, listed by the summary.
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path), "subdir": "4"}, "runtime": {}}})
+    launcher._failed({"idx": 4, "overrides": ["seed=4"], "config": config, "attempt": 0}, "no live node offers it")
+    assert json.loads((tmp_path / "4" / "run.json").read_text())["error"] == "no live node offers it"
+    assert [r["job"] for r in job_rows(tmp_path)] == ["3", "4"]
 
 
 def test_the_ray_launchers_local_settings_are_refused_with_an_address():
