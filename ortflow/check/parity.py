@@ -21,6 +21,10 @@ An engine's row (`judge`) "differs" when any of these fails, else it is "within 
    own gradients (update.py): the optimizer, its clipping and its conventions, whatever the gradients;
 5. the loss at every step is within max(LOSS_FLOOR, LOSS_MARGIN x the band at that step) of eager's.
 
+A row that fails only 2 (and perhaps 5) is judged again from the next batch, with eager's envelope measured there,
+and differs only when that batch fails too (`may_be_a_kink`, `confirm`): a ReLU input that the engine's rounding puts
+on the other side of its kink flips one batch's gradient, a real error is there on every batch.
+
 The model's sharpest spread: a ReLU input (a BatchNorm variance, a max-pool tie) within rounding of its kink takes
 either side under one ulp of the weights, and the gradients it feeds jump. Three runs catch such a jump in some
 parameters and not in others (torchvision MNASNet 0.5 at 32x32, batch 8: 3 of 20 one-ulp runs moved one bias's
