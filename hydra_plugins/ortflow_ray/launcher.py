@@ -198,8 +198,10 @@ class RayLauncher(Launcher):
         listed alive for a while after its tasks failed (until its missed heartbeats are noticed)."""
         import ray
 
+        if not resources:  # nothing to ask the cluster (every job of a sweep without pinned resources)
+            return True
         offered = [n["Resources"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != lost]
-        return not resources or any(all(r.get(k, 0) >= v for k, v in resources.items()) for r in offered)
+        return any(all(r.get(k, 0) >= v for k, v in resources.items()) for r in offered)
 
     def _still_offered(self, resources: dict[str, float], idx: int, lost: str | None) -> dict[str, float]:
         """The job's custom resources if a live node other than the one it was lost on offers them all, else none

@@ -203,7 +203,6 @@ def judged(mode: str, settings: list[str], steps: int, envelope: parity.Envelope
             _, next_envelope = reference(settings, steps, skip=1)
             again = try_mode(mode, settings, steps, fresh_model, skip=1)
             row["verdict"] = parity.confirm(row, next_envelope, again, cfg.optim, cfg.trainer.grad_clip)
-            again.pop("step_one", None)
     return row
 
 
