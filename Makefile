@@ -2,7 +2,9 @@
 #   make train                       # ortflow +recipe=transformer accel=ortmodule (installs ortflow[vision] only)
 #   make train ARGS="+recipe=digits accel=artifacts"
 #   make test                        # adds ortflow[test] (test tools, notebooks, optional libraries); lint + the suite
-#   make test-fast                   # lint + the fast tier (-m 'not slow')
+#                                    # without the end-to-end tier (-m 'not slow'); under 8 minutes on 2 cores
+#   make test-slow                   # the end-to-end tier (@pytest.mark.slow): CI runs it after make test
+#   make test-full                   # lint + both tiers in one pytest run
 #   make test-range                  # the ORT engine tests on the other end of the torch range, in its own venv
 #   make test-device                 # device exports checked without torch and in headless Chromium (tests/device)
 PYTHON ?= python3
@@ -17,7 +19,7 @@ TORCHVISION_UNPUBLISHED = 15:0.29.2
 TORCHVISION = $(or $(patsubst $(TORCH_MINOR):%,%,$(filter $(TORCH_MINOR):%,$(TORCHVISION_UNPUBLISHED))),0.$(shell echo $$(( $(TORCH_MINOR) + 15 ))).*)
 VENV ?= .venv
 # What test-range runs on the other end: every engine, parity, resume, custom-Function and distributed test (the
-# reliability guards, disk and signals, do not depend on torch's version: `make test` runs them).
+# reliability guards, disk and signals, do not depend on torch's version: `make test` and `make test-slow` run them).
 RANGE_TESTS ?= tests/accel/compat/test_compat.py tests/accel/test_engines.py tests/accel/test_zoo.py tests/run/test_resume.py \
 	tests/test_distributed.py tests/accel/graph/test_graph_fixes.py tests/run/test_features.py tests/accel/test_vision_engines.py tests/accel/graph/test_aten_layer_norm.py \
 	tests/model/test_hf.py tests/run/test_lm_runs.py tests/model/test_batch_dependence.py tests/accel/test_precision.py tests/accel/test_engine_gaps.py \
@@ -34,7 +36,7 @@ PINS = "torch==$(TORCH)" "torchvision==$(TORCHVISION)"
 # The ninja wheel (used by the one-time extension build) installs into the venv.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup setup-test setup-range train test test-fast test-range lint setup-device test-device
+.PHONY: setup setup-test setup-range train test test-fast test-slow test-full test-range lint setup-device test-device
 
 # What training needs: the pinned stack and ortflow (editable) with torchvision. Redone when pyproject.toml changes.
 $(TRAIN_STAMP): pyproject.toml
@@ -69,11 +71,21 @@ lint: $(TEST_STAMP)
 # worker takes 2 tests at a time, so the slow ones spread over the workers (xdist's default first hands each worker
 # a quarter of its share in one block: one worker then got every slow test and ran 2.5 min after the other ended).
 XDIST = -n auto --maxschedchunk=2
+# Two tiers, as lightning-hydra-template and torchtitan split theirs: `make test` (the README's test command) runs
+# the suite without the end-to-end tier, the development loop (under 8 minutes on 2 cores); `make test-slow` runs
+# the end-to-end tier (@pytest.mark.slow: trainings to accuracy, the third-party model zoo, DDP, sweeps, resumes
+# after kill -9, the benchmark); CI runs both, one after the other. `make test-full` runs both in one pytest run.
 test: setup-test lint
-	$(BIN)/python -m pytest $(XDIST) $(DURATIONS) $(PYTEST_ARGS)
-
-test-fast: setup-test lint
 	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(DURATIONS) $(PYTEST_ARGS)
+
+# The name the fast tier had before it became `make test`.
+test-fast: test
+
+test-slow: setup-test
+	$(BIN)/python -m pytest $(XDIST) -m slow $(DURATIONS) $(PYTEST_ARGS)
+
+test-full: setup-test lint
+	$(BIN)/python -m pytest $(XDIST) $(DURATIONS) $(PYTEST_ARGS)
 
 # The other end of the torch range: its own venv (set up like .venv, extensions included), the engine tests.
 setup-range:
