@@ -3,6 +3,7 @@ and the same initial weights (dropout off): whether it trains, the losses, step-
 the graph fixes, and eager's own noise floor for the verdict (parity.py)."""
 
 import copy
+import functools
 import itertools
 import math
 import statistics
@@ -191,18 +192,30 @@ def reference(settings: list[str], steps: int, skip: int = 0) -> tuple[dict[str,
     return eager, parity.Envelope.measure(eager, _noise_runs(settings, steps, precision, skip))
 
 
-def judged(mode: str, settings: list[str], steps: int, envelope: parity.Envelope | None) -> dict[str, Any]:
+def next_batch_envelope(settings: list[str], steps: int) -> Callable[[], parity.Envelope | None]:
+    """Eager's envelope from the next batch (reference with skip=1), measured once when first asked for: every
+    engine's row of one precision that `judged` judges again shares it."""
+    return functools.cache(lambda: reference(settings, steps, skip=1)[1])
+
+
+def judged(
+    mode: str,
+    settings: list[str],
+    steps: int,
+    envelope: parity.Envelope | None,
+    next_envelope: Callable[[], parity.Envelope | None] | None = None,
+) -> dict[str, Any]:
     """`mode`'s row, with its verdict against eager's envelope when both trained. A row that differs only by step-1
     gradients over their tolerance (and perhaps its later losses) is judged again from the next batch, as a kink that
-    rounding flipped would (parity.confirm)."""
+    rounding flipped would (parity.confirm), against `next_envelope()` (default: next_batch_envelope)."""
     row = try_mode(mode, settings, steps, fresh_model)
     if envelope is not None and row["trains"]:
         cfg = _compose(settings, mode)
         row["verdict"] = parity.judge(row, envelope, cfg.optim, cfg.trainer.grad_clip)
         if parity.may_be_a_kink(row):
-            _, next_envelope = reference(settings, steps, skip=1)
+            next_envelope = next_envelope or next_batch_envelope(settings, steps)
             again = try_mode(mode, settings, steps, fresh_model, skip=1)
-            row["verdict"] = parity.confirm(row, next_envelope, again, cfg.optim, cfg.trainer.grad_clip)
+            row["verdict"] = parity.confirm(row, next_envelope(), again, cfg.optim, cfg.trainer.grad_clip)
     return row
 
 
@@ -255,8 +268,9 @@ def _check(
             envelopes[precision] = envelope.record()
         if "none" in modes:
             rows.append(eager | {"precision": precision})
+        next_envelope = next_batch_envelope(settings, steps)
         for mode in [m for m in modes if m != "none"]:
-            rows.append(judged(mode, settings, steps, envelope) | {"precision": precision})
+            rows.append(judged(mode, settings, steps, envelope, next_envelope) | {"precision": precision})
     for row in rows:
         row.pop("step_one", None)
     report = {

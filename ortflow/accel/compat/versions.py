@@ -23,27 +23,21 @@ SUPPORTED = {"torch": ((2, 6), (2, 15)), "onnxruntime-training": ((1, 19), (1, 1
 ALLOW_UNTESTED = "ORTFLOW_ALLOW_UNTESTED_VERSIONS"
 
 
-def _onnxruntime_version() -> str:
-    """From the installed distribution's metadata (importing onnxruntime takes 0.2 s an eager run does not need)."""
-    for distribution in ("onnxruntime-training-cpu", "onnxruntime-training"):
+def _version(module: str, *distributions: str) -> str:
+    """From the first installed distribution's metadata, else the imported module's `__version__` (importing
+    onnxruntime and onnx takes 0.2 s and 0.3 s an eager run does not need)."""
+    for distribution in distributions:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return importlib.metadata.version(distribution)
-    import onnxruntime
-
-    return onnxruntime.__version__
-
-
-def _onnx_version() -> str:
-    """From the installed distribution's metadata, as onnxruntime's (importing onnx takes 0.3 s)."""
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        return importlib.metadata.version("onnx")
-    import onnx
-
-    return onnx.__version__
+    return importlib.import_module(module).__version__
 
 
 def installed_versions() -> dict[str, str]:
-    return {"torch": torch.__version__, "onnxruntime-training": _onnxruntime_version(), "onnx": _onnx_version()}
+    return {
+        "torch": torch.__version__,
+        "onnxruntime-training": _version("onnxruntime", "onnxruntime-training-cpu", "onnxruntime-training"),
+        "onnx": _version("onnx", "onnx"),
+    }
 
 
 def untested_versions() -> dict[str, str]:
