@@ -388,16 +388,29 @@ class ParityFailed(OrtflowError):
 
 
 def failures(report: dict[str, Any]) -> list[str]:
-    """What makes a strict check fail: each row that differs, and each precision in which eager did not train (so
-    nothing was compared)."""
-    failed = [
-        f"accel={r['mode']} ({r.get('precision', '?')}) {r['verdict']}"
-        for r in report["rows"]
-        if r.get("verdict", "").startswith("differs")
-    ]
+    """What makes a strict check fail: each row that differs; each row that did not train where eager did (it
+    crashed, was refused, ran partly in PyTorch or reached a non-finite loss: an engine that cannot train the model is
+    no pass); and each precision in which eager did not train (so nothing was compared)."""
+    failed = []
+    for r in report["rows"]:
+        name = f"accel={r['mode']} ({r.get('precision', '?')})"
+        if r.get("verdict", "").startswith("differs"):
+            failed.append(f"{name} {r['verdict']}")
+        elif not r.get("trains", True) and r.get("precision") in report["envelopes"]:
+            failed.append(f"{name} does not train: {not_training_reason(r)}")
     failed += [
         f"eager did not train in {p}: nothing was compared"
         for p in report["precisions"]
         if p not in report["envelopes"]
     ]
     return failed
+
+
+def not_training_reason(row: dict[str, Any]) -> str:
+    """Why a row that ran to its end (or did not) does not count as training the model."""
+    if "reason" in row:
+        return row["reason"]
+    bad = [i for i, loss in enumerate(row.get("losses", []), start=1) if not math.isfinite(loss)]
+    if bad:
+        return f"a non-finite loss at step {bad[0]} (eager's is finite)"
+    return f"its steps were not all executed as the engine promises (executed_by: {row.get('executed_by')})"

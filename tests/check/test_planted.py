@@ -113,3 +113,17 @@ def test_the_command_exits_1_with_strict_when_a_row_differs(tmp_path, capsys, mo
     )
     rows = json.loads((tmp_path / "check.json").read_text())["rows"]
     assert rows[1]["mode"] == "ortmodule" and rows[1]["verdict"].startswith("differs: step-1 gradient of '0.weight'")
+
+
+def test_strict_fails_when_an_engine_trains_to_nan_where_eager_does_not(monkeypatch):
+    """No verdict is no pass: both ORT engines train a model whose export differs from its forward to NaN losses;
+    their rows do not train, and strict fails naming each row and why."""
+    monkeypatch.syspath_prepend(str(REPO))
+    model = ["model=custom", "model._target_=tests.helpers.faulty_models.build_nan_under_export", *MLP[2:]]
+    with pytest.raises(parity.ParityFailed) as failed:
+        check(model, STEPS, ["none", *ENGINES], strict=True)
+    rows = {r["mode"]: r for r in failed.value.report["rows"]}
+    assert rows["none"]["trains"] and not rows["artifacts"]["trains"] and not rows["ortmodule"]["trains"]
+    for engine in ENGINES:
+        assert f"accel={engine} (fp32) does not train: a non-finite loss at step 1" in str(failed.value)
+

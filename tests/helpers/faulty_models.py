@@ -36,3 +36,20 @@ class NaNInEval(nn.Module):
 
 def build_nan_in_eval(vocab_size: int, width: int) -> nn.Module:
     return NaNInEval(vocab_size, width)
+
+
+class NaNUnderExport(nn.Module):
+    """An MLP on the digits whose ONNX export differs from its eager forward (it checks
+    `torch.onnx.is_in_onnx_export()`): the graph an ORT engine trains yields NaN logits, eager trains normally."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.net(x)
+        return logits * float("nan") if torch.onnx.is_in_onnx_export() else logits
+
+
+def build_nan_under_export(num_classes: int = 10) -> nn.Module:
+    return NaNUnderExport(num_classes)
