@@ -4,7 +4,8 @@ parity against eager on the same batches and the same initial weights (dropout o
 gradient against eager's, a verdict against eager's own noise (ortflow/check/parity.py), the smallest errors the check
 can see, step time, and the graph fixes ortflow applied.
 Every row and eager's own noise run in the config's trainer.precision, or in each of `--precision fp32,bf16-mixed`.
-With `--strict` the command exits with status 1 when a row differs (for a CI gate).
+With `--strict` the command exits with status 1 when a row differs, or does not train where eager does (it crashes, is
+refused, runs partly outside its engine or reaches a non-finite loss): a CI gate no broken engine passes.
 The result also goes to a JSON file (`--out`, default outputs/check/<time>.json).
 """
 
@@ -33,7 +34,9 @@ def main(argv: list[str] | None = None) -> None:
         "--precision",
         help=f"comma-separated trainer.precision values to try every mode in ({FP32}, {BF16}; default: the config's)",
     )
-    parser.add_argument("--strict", action="store_true", help="exit with status 1 when a row differs")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit with status 1 when a row differs or does not train where eager does"
+    )
     parser.add_argument("--out", type=Path, help="JSON file (default outputs/check/<time>.json)")
     args = parser.parse_args(argv)
     precisions = tuple(args.precision.split(",")) if args.precision else None
