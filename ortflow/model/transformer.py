@@ -43,7 +43,9 @@ class TransformerModel(nn.Module):
         if self.causal:
             seq_len = x.size(0)
             mask = torch.triu(torch.full((seq_len, seq_len), float("-inf"), device=x.device), diagonal=1)
-        x = self.transformer(x, mask=mask)  # (S, B, d_model)
+        # is_causal says what the mask is (torch would otherwise compare it with a causal mask on every call: a
+        # data-dependent branch that torch.compile cannot trace); eager and the ONNX export take the same path.
+        x = self.transformer(x, mask=mask, is_causal=self.causal)  # (S, B, d_model)
         return self.fc(x).transpose(0, 1)  # (B, S, vocab)
 
 
