@@ -21,7 +21,7 @@ ACCELS = sorted(p.stem for p in (config_dir() / "accel").glob("*.yaml"))
 def test_the_config_tree_has_every_group_the_runner_needs():
     expected = {"model", "data", "accel", "distributed", "debug", "optim", "scheduler", "trainer", "logger"}
     assert expected <= set(GROUPS)
-    assert set(ACCELS) == {"none", "ortmodule", "artifacts", "auto"}
+    assert set(ACCELS) == {"none", "ortmodule", "artifacts", "compile", "auto"}
     assert {"transformer", "digits"} <= set(RECIPES)
 
 

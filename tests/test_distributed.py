@@ -81,7 +81,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accel", ["ortmodule"])  # eager's 2 ranks: the sweep test below (replicas identical)
+@pytest.mark.parametrize("accel", ["ortmodule", "compile"])  # eager's 2 ranks: the sweep test below
 def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(accel, tmp_path):
     two = run_cli(*SMALL, f"accel={accel}", "distributed=ddp", "data.batch_size=8", "hydra.run.dir=two", cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
@@ -101,7 +101,7 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(accel, tmp_path)
     info = record(tmp_path / "two")["engine"]
     assert info["world_size"] == 2 and info["replicas_identical"]  # parameters bitwise equal on both ranks
     assert info["ranks_started_by"] == "forkserver"  # by the rank fork server, whose imports were done
-    expected = "onnxruntime" if accel == "ortmodule" else "pytorch"
+    expected = {"ortmodule": "onnxruntime", "compile": "inductor"}[accel]
     assert info["ranks_executed_by"] == [expected, expected]
     a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert len(a) == len(b) == 10
@@ -304,8 +304,8 @@ def test_under_ddp_rank_0_probes_for_accel_auto_and_every_rank_trains_with_its_c
     assert result.returncode == 0, result.stderr[-3000:]
     info = record(tmp_path / "run")["engine"]
     choice = info["auto"]["choice"]
-    assert choice["precision"] == "bf16-mixed" and choice["accel"] in ("none", "ortmodule")
-    assert {p["engine"] for p in info["auto"]["probes"]} == {"none", "ortmodule"}  # artifacts has no DDP
-    executed = "onnxruntime" if choice["accel"] == "ortmodule" else "pytorch"
+    assert choice["precision"] == "bf16-mixed" and choice["accel"] in ("none", "ortmodule", "compile")
+    assert {p["engine"] for p in info["auto"]["probes"]} == {"none", "ortmodule", "compile"}  # artifacts: no DDP
+    executed = {"none": "pytorch", "ortmodule": "onnxruntime", "compile": "inductor"}[choice["accel"]]
     assert info["ranks_executed_by"] == [executed, executed] and info["replicas_identical"]
     assert result.stdout.count("accel=auto chose") + result.stderr.count("accel=auto chose") == 1  # one probe

@@ -13,6 +13,7 @@ An engine module provides:
               "onnxruntime"; accel=auto refuses a candidate that says otherwise).
     RUNS_IN_STEP (optional) the kinds of hooks and state updates (ortflow/model/hooks.py: Kind) it runs as eager
               does; the others it refuses before the first step (`refuse_unrun`).
+    WHY_UNRUN (optional) {Kind: why it cannot run that kind}, where the reason is not ONNX Runtime's (hooks.py's).
 
 The runner, loop, validation and distributed code never name a mode; they go through the functions below. A new
 engine is one module plus one yaml file (found through `hydra.searchpath` when it lives outside ortflow).
@@ -33,7 +34,13 @@ from ortflow.model import hooks
 from ortflow.paths import config_dir
 
 # The engines shipped with ortflow (their yaml files are conf/accel/<name>.yaml).
-BUILTIN = ("ortflow.accel.none", "ortflow.accel.ortmodule", "ortflow.accel.artifacts", "ortflow.accel.auto")
+BUILTIN = (
+    "ortflow.accel.none",
+    "ortflow.accel.ortmodule",
+    "ortflow.accel.artifacts",
+    "ortflow.accel.compile",
+    "ortflow.accel.auto",
+)
 
 
 def engines() -> dict[str, ModuleType]:
@@ -52,8 +59,10 @@ def engines() -> dict[str, ModuleType]:
 def refuse_unrun(model: Any, inputs: Any, name: str) -> None:
     """Refuse, before the first step, what engine `name` cannot run of the model's step as eager does (hooks, state a
     forward changes: ortflow/model/hooks.py), naming the engines that run it."""
-    runs = {n: getattr(m, "RUNS_IN_STEP", frozenset()) for n, m in engines().items()}
-    hooks.refuse_unrun(model, inputs, name, runs)
+    found = engines()
+    runs = {n: getattr(m, "RUNS_IN_STEP", frozenset()) for n, m in found.items()}
+    why = getattr(found.get(name), "WHY_UNRUN", None)
+    hooks.refuse_unrun(model, inputs, name, runs, why)
 
 
 def engine_module(accel: DictConfig) -> ModuleType:

@@ -402,8 +402,9 @@ def _ran(probes: list[Probe]) -> list[Probe]:
     return sorted((p for p in probes if p.step_ms is not None), key=lambda p: p.step_ms)
 
 
-def choose(probes: list[Probe], run: Runoff | None = None) -> Probe:
-    """The fastest probe that ran; where a runoff called the two fastest equal, the simpler of them.
+def choose(probes: list[Probe], run: Runoff | None = None, steps: int | None = None) -> Probe:
+    """The fastest probe that ran; where a runoff called the two fastest equal, the simpler of them. With the run's
+    length (`steps`), one-time costs are weighed too (`weigh`).
 
     Raises:
         OrtflowError: no candidate ran.
@@ -413,11 +414,28 @@ def choose(probes: list[Probe], run: Runoff | None = None) -> Probe:
         reasons = "; ".join(f"{p.label}: {p.error}" for p in probes)
         raise OrtflowError(f"accel=auto: no candidate engine could train this model ({reasons}).")
     if run is None or run.error or len(ran) < 2:
-        return ran[0]
+        return weigh(ran[0], ran, steps)
     first, second = ran[0], ran[1]
     if run.verdict == "separated":
-        return first if run.ratio is not None and run.ratio > 1.0 else second
-    return min((first, second), key=_simplicity)
+        return weigh(first if run.ratio is not None and run.ratio > 1.0 else second, ran, steps)
+    return weigh(min((first, second), key=_simplicity), ran, steps)
+
+
+def run_seconds(probe: Probe, steps: int) -> float:
+    """A probe's estimate of a run of `steps` steps: its start-up (build, export or compilation, the first step)
+    and the rest at its measured step time."""
+    return (probe.first_step_s or 0.0) + max(steps - 1, 0) * (probe.step_ms or 0.0) / 1000
+
+
+def weigh(fastest: Probe, ran: list[Probe], steps: int | None) -> Probe:
+    """`fastest` (by step time), unless a candidate that starts quicker ends a run of `steps` steps sooner: a short
+    run does not pick an engine whose start-up (ORT's export, torch.compile's compilation) costs more than its faster
+    steps save."""
+    if steps is None:
+        return fastest
+    quicker = [p for p in ran if (p.first_step_s or 0.0) < (fastest.first_step_s or 0.0)]
+    best = min(quicker, key=lambda p: run_seconds(p, steps), default=fastest)
+    return best if run_seconds(best, steps) < run_seconds(fastest, steps) else fastest
 
 
 def table(probes: list[Probe], chosen: Probe, cached: bool, by: str = "accel=auto", run: Runoff | None = None) -> Table:
@@ -475,7 +493,15 @@ def decide(
     cached = not missing and record is not None and (run is None or run is record["runoff"])
     if settings["cache"] and not cached and ran:
         _write_cache(key, probes, run)
-    return choose(probes, run), probes, cached, run
+    return choose(probes, run, run_length(ctx)), probes, cached, run
+
+
+def run_length(ctx: EngineContext) -> int | None:
+    """The steps the run will train (trainer.max_steps; micro-batches count as one step each), for weighing one-time
+    costs; None without a config."""
+    if ctx.config is None:
+        return None
+    return int(ctx.config.trainer.max_steps) * max(ctx.accumulate, 1)
 
 
 class AutoEngine:

@@ -56,7 +56,7 @@ def _counters(engine: Engine) -> dict[str, Any]:
 def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     """Samples/s, first step, peak memory, FLOPs and the runner's overhead of mode `args.mode`."""
     s = start_measurement(args, passes=2 * PAIRS, scratch=scratch)
-    mode, cfg, data, engine, run_dir, batches = s["mode"], s["cfg"], s["data"], s["engine"], s["run_dir"], s["batches"]
+    cfg, data, engine, run_dir, batches = s["cfg"], s["data"], s["engine"], s["run_dir"], s["batches"]
     steps = s["steps"]
 
     # Bare hand-written loop vs ortflow's loop on the same engine, alternated in pairs; the loop's final evaluation
@@ -81,7 +81,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     bare_s = statistics.median(bare)
     return {
         "mode": args.mode,
-        "executed_by": "pytorch (torch.compile)" if mode == "compile" else engine.describe()["executed_by"],
+        "executed_by": engine.describe()["executed_by"],
         "engine": _counters(engine),
         "samples_per_s": steps * s["batch_size"] / bare_s,
         "step_ms": 1000 * bare_s / steps,

@@ -72,8 +72,6 @@ def start_measurement(
     data: Data = build_data(cfg)
     model: torch.nn.Module = build_model(cfg, data)
     flops = model_flops(model, data, loss.build(cfg.loss))
-    if mode == "compile":
-        model = torch.compile(model)
     wanted = 1 + args.warmup + min(args.steps or POOL, POOL)
     fetched = [split_batch(b) for b in itertools.islice(ResumableBatches(data.train), wanted)]
     first, warmup, pool = fetched[0], fetched[1 : 1 + args.warmup], fetched[1 + args.warmup :]
@@ -104,7 +102,7 @@ def start_measurement(
         "batches": batches,
         "first_step_s": first_step_s,
         "flops": flops,
-        "parameters": ParameterCount.of(model).as_dict(),  # before torch.compile wraps it: the same parameters
+        "parameters": ParameterCount.of(model).as_dict(),
         "batch_size": batch_size(first[0]),
         **chosen,
     }

@@ -129,7 +129,7 @@ def try_mode(
     except Exception as err:  # every failure is a result here, reported in the table
         return row | {"trains": False, "reason": _one_line(err)}
     row |= {
-        "trains": info["executed_by"] in ("pytorch", "onnxruntime") and all(map(math.isfinite, losses)),
+        "trains": info["executed_by"] == _executed_by(mode) and all(map(math.isfinite, losses)),
         "executed_by": info["executed_by"],
         "losses": losses,
         "first_step_s": times[0],
@@ -139,6 +139,11 @@ def try_mode(
     if reference is not None and len(reference) == len(losses):
         row["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
     return row
+
+
+def _executed_by(mode: str) -> str:
+    """What engine `mode` says executed its steps when it ran as it should (its module's EXECUTED_BY)."""
+    return getattr(accel.engines().get(mode), "EXECUTED_BY", "pytorch")
 
 
 def precisions_of(cfg: DictConfig, overrides: list[str], asked: tuple[str, ...] | None) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""`ortflow-bench`: one recipe in every accel mode (torch.compile on request), modes alternating, repeated.
+"""`ortflow-bench`: one recipe in every accel mode (accel=compile, torch.compile's engine, too), modes alternating,
+repeated.
 
 Reports per mode: samples/s (median and min-max over repeats) and its ratio to eager measured in the same run,
 time to first step (export + session creation; ORTModule's extension build excluded), peak resident memory,
@@ -13,9 +14,9 @@ timed until the step time is known, and that decides how many steps fit (--steps
 The JSON file is rewritten after every measurement with everything so far, so a stopped bench keeps what it
 finished and `--resume FILE` runs only the rest. Other libraries' notices go to a log beside it (FILE.log).
 
-    ortflow-bench                                    # transformer recipe: none, ortmodule, artifacts; 2 repeats
+    ortflow-bench                                    # transformer recipe: none, ortmodule, artifacts, compile
     ortflow-bench model.d_model=512 model.num_layers=4 data.block_size=128 data.batch_size=16
-    ortflow-bench --modes none,ortmodule,artifacts,compile --budget 20 --repeats 3   # longer, torch.compile too
+    ortflow-bench --modes none,compile --budget 20 --repeats 3   # eager against torch.compile, longer
     ortflow-bench --sweep model.d_model=128,256,512 model.num_layers=4   # scaling with model width: table, PNG
     ortflow-bench --sweep model.d_model=64,128,256 --sweep data.batch_size=16,32,64   # one PNG, a panel per sweep
     ortflow-bench --resume outputs/bench/2026-11-24_10-00-00.json   # continue a stopped bench

@@ -335,10 +335,16 @@ def _detached(output: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------------- refusal
-def refuse_unrun(model: nn.Module, inputs: Inputs, mode: str, engines: dict[str, frozenset[Kind]]) -> None:
+def refuse_unrun(
+    model: nn.Module,
+    inputs: Inputs,
+    mode: str,
+    engines: dict[str, frozenset[Kind]],
+    why: dict[Kind, str] | None = None,
+) -> None:
     """Refuse, before the first step, a model whose step runs something engine `mode` cannot run as eager does
     (`engines`: each engine's name and the kinds it runs), naming each parameter, buffer, attribute or module and its
-    hook, why, and which engines run it.
+    hook, why (`why`: the engine's own reasons; by default an ONNX Runtime engine's), and which engines run it.
 
     Raises:
         ModelError: one paragraph listing everything found.
@@ -354,12 +360,13 @@ def refuse_unrun(model: nn.Module, inputs: Inputs, mode: str, engines: dict[str,
         return
     kinds = list(dict.fromkeys(f.kind for f in unrun))
     listed = "; ".join(f"{k.value}: {', '.join(f.what for f in unrun if f.kind == k)}" for k in kinds)
-    why = "; ".join(dict.fromkeys(_WHY[k] for k in kinds))
+    reasons = _WHY | (why or {})
+    why_text = "; ".join(dict.fromkeys(reasons[k] for k in kinds))
     others = [m for m, kept in engines.items() if m != mode and all(k in kept for k in kinds)]
     instead = " or ".join(f"accel={m}" for m in others)
     them = "them" if len(unrun) > 1 else "it"
     raise ModelError(
-        f"accel={mode} cannot train this model as eager PyTorch does: {listed}. With accel={mode}, {why}. Use "
+        f"accel={mode} cannot train this model as eager PyTorch does: {listed}. With accel={mode}, {why_text}. Use "
         f"{instead}, which run{'s' if len(others) == 1 else ''} {them} as eager PyTorch does, or take {them} out of "
         "the model."
     )

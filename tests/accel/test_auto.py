@@ -61,7 +61,7 @@ def test_a_resumed_auto_run_keeps_its_choice_and_settings_reach_the_chosen_engin
 
 
 def test_engines_the_config_rules_out_are_not_probed_and_a_config_none_can_run_is_refused():
-    assert auto.candidates(make_cfg("accel=auto", "distributed=ddp")) == ["none", "ortmodule"]
+    assert auto.candidates(make_cfg("accel=auto", "distributed=ddp")) == ["none", "ortmodule", "compile"]
     found = auto.problems(make_cfg("accel=auto", "distributed=ddp", "accel.candidates=[artifacts]"))
     assert found and "artifacts" in found[0] and "data parallelism" in found[0]
     assert "not engines" in auto.problems(make_cfg("accel=auto", "accel.candidates=[fast]"))[0]
@@ -116,6 +116,19 @@ def test_a_runoff_decides_between_the_two_fastest_and_equals_go_to_the_simpler_e
     assert (
         auto.choose(bf16, dataclasses.replace(equal, faster="artifacts bf16-mixed", other="artifacts fp32")) == bf16[1]
     )
+
+
+def test_a_short_run_does_not_pick_an_engine_whose_start_up_costs_more_than_its_steps_save():
+    """10% faster steps (10 vs 11 ms) for 20 s of compilation: worth it over 100,000 steps, not over 100."""
+    probes = [
+        dataclasses.replace(probe("none", 11.0), first_step_s=0.1),
+        dataclasses.replace(probe("compile", 10.0), first_step_s=20.0),
+    ]
+    assert auto.choose(probes, steps=100).engine == "none"
+    assert auto.choose(probes, steps=100_000).engine == "compile"
+    assert auto.choose(probes).engine == "compile"  # the run's length unknown: step time alone
+    slower_start = [dataclasses.replace(probes[0], first_step_s=30.0), probes[1]]
+    assert auto.choose(slower_start, steps=100).engine == "compile"  # faster steps and the quicker start
 
 
 class Plain:

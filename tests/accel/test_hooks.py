@@ -24,7 +24,9 @@ from ortflow.model import hooks
 from tests.conftest import REPO, make_cfg
 
 STEPS = 3
-RTOL = {"ortmodule": 1e-5, "artifacts": 1e-4}  # losses; measured <= 1e-7 (ortmodule) and <= 2e-6 (artifacts)
+RTOL = {"ortmodule": 1e-5, "artifacts": 1e-4, "compile": 1e-5}  # losses; measured <= 1e-7 (ortmodule, compile)
+# and <= 2e-6 (artifacts)
+EXECUTED_BY = {"ortmodule": "onnxruntime", "artifacts": "onnxruntime", "compile": "inductor"}
 ATOL = 1e-5  # weights and buffers after 3 SGD steps (measured <= 1e-7)
 SGD = OmegaConf.structured(OptimConfig(name=OptimName.sgd, lr=0.5, weight_decay=0.0))
 
@@ -115,12 +117,12 @@ def with_hooks(setup: Callable[[nn.Sequential, Calls], object]) -> Callable[[Cal
 CASES: dict[str, tuple[Callable[[Calls], nn.Module], set[str], list[str]]] = {
     "parameter hook": (
         with_hooks(lambda m, c: m[0].weight.register_hook(c.hook("mask", zero_first))),
-        {"ortmodule"},
+        {"ortmodule", "compile"},
         ["parameter '0.weight'", "mask_hook", "Tensor.register_hook"],
     ),
     "post-accumulate-grad hook": (
         with_hooks(lambda m, c: m[0].weight.register_post_accumulate_grad_hook(c.hook("zero", zero_accumulated))),
-        {"ortmodule"},
+        {"ortmodule", "compile"},
         ["parameter '0.weight'", "zero_hook", "register_post_accumulate_grad_hook"],
     ),
     "full backward hook": (
@@ -140,22 +142,22 @@ CASES: dict[str, tuple[Callable[[Calls], nn.Module], set[str], list[str]]] = {
     ),
     "forward hook": (  # an output transform: traced into the exported graph
         with_hooks(lambda m, c: m[1].register_forward_hook(lambda _m, _a, out: out * 2)),
-        {"ortmodule", "artifacts"},
+        {"ortmodule", "artifacts", "compile"},
         [],
     ),
     "forward pre-hook": (  # an input transform: traced into the exported graph
         with_hooks(lambda m, c: m[2].register_forward_pre_hook(lambda _m, args: (args[0] * 0.5,))),
-        {"ortmodule", "artifacts"},
+        {"ortmodule", "artifacts", "compile"},
         [],
     ),
     "weight_norm pre-hook": (  # a pure reparametrisation: torch's pre-hook recomputes the weight every forward
         with_hooks(lambda m, c: nn.utils.weight_norm(m[2])),
-        {"ortmodule", "artifacts"},
+        {"ortmodule", "artifacts", "compile"},
         [],
     ),
     "weight_norm parametrization": (
         with_hooks(lambda m, c: nn.utils.parametrizations.weight_norm(m[2])),
-        {"ortmodule", "artifacts"},
+        {"ortmodule", "artifacts", "compile"},
         [],
     ),
     "forward hook updating a buffer": (
@@ -204,7 +206,7 @@ def assert_trains_as_eager(kind: str, build: Callable[[Calls], nn.Module], tmp_p
     engine = make_engine(kind, build(calls), data[0], tmp_path)
     expected = [eager.train_step(x, y) for x, y in data]
     got = [engine.train_step(x, y) for x, y in data]
-    assert engine.describe()["executed_by"] == "onnxruntime"
+    assert engine.describe()["executed_by"] == EXECUTED_BY[kind]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL[kind], atol=0)
     want, have = state(eager), state(engine)
     assert want.keys() == have.keys()
@@ -221,7 +223,7 @@ def assert_trains_as_eager(kind: str, build: Callable[[Calls], nn.Module], tmp_p
         # one model: test_every_kind_an_engine_runs_at_once). The refusals come before any build: quick.
         pytest.param(case, kind, marks=[pytest.mark.slow] if kind in runs else [], id=f"{case}-{kind}")
         for case, (_, runs, _) in sorted(CASES.items())
-        for kind in ("ortmodule", "artifacts")
+        for kind in ("ortmodule", "artifacts", "compile")
     ],
 )
 # the legacy register_backward_hook and weight_norm cases: torch's own deprecations, shown to users of them, expected
@@ -240,12 +242,12 @@ def test_each_hook_runs_as_in_eager_or_the_engine_refuses_naming_it(case, kind, 
     assert "accel=none" in message
 
 
-@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts", "compile"])
 def test_every_kind_an_engine_runs_at_once(kind, tmp_path):
     """Every hook `kind` runs, on one model (each changes the training: one that did not run shows in the weights)."""
     # (weight_norm's two forms cannot share the layer: the pre-hook's form, deprecated, is tried alone)
     cases = [case for case, (_, runs, _) in CASES.items() if kind in runs and case != "weight_norm pre-hook"]
-    assert len(cases) == {"ortmodule": 5, "artifacts": 3}[kind]
+    assert len(cases) == {"ortmodule": 5, "artifacts": 3, "compile": 5}[kind]
 
     def build(calls: Calls) -> nn.Module:
         model = mlp()
@@ -257,7 +259,7 @@ def test_every_kind_an_engine_runs_at_once(kind, tmp_path):
     assert kind == "artifacts" or calls == {"mask": STEPS, "zero": STEPS}
 
 
-@pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
+@pytest.mark.parametrize("kind", ["ortmodule", "artifacts", "compile"])
 @pytest.mark.parametrize("which", sorted(GLOBAL_HOOKS))
 def test_a_global_module_hook_is_refused_by_the_ort_engines(which, kind, tmp_path):
     register, hook = GLOBAL_HOOKS[which]

@@ -217,15 +217,16 @@ def test_scaling_plot_takes_values_that_are_not_numbers(tmp_path):
 def test_bench_reports_every_mode_with_its_ratio_to_eager(tmp_path):
     out = tmp_path / "bench.json"
     variant = "artifacts:accel.rewrite_gathers=false"  # a mode with its own overrides (before/after comparisons)
-    modes = f"none,ortmodule,{variant}"  # the plain artifacts mode: the profile test below
+    modes = f"none,ortmodule,{variant},compile"  # the plain artifacts mode: the profile test below
     main(["--modes", modes, "--steps", "3", "--warmup", "1", "--repeats", "1", "--out", str(out), *TINY_BENCH])
     report = json.loads(out.read_text())
     assert report["complete"]
     rows = {r["mode"]: r for r in report["rows"]}
-    assert set(rows) == {"none", "ortmodule", variant}
+    assert set(rows) == {"none", "ortmodule", variant, "compile"}
     assert all("error" not in r for r in rows.values()), rows
     assert rows["none"]["vs_eager"] == 1.0
     assert {rows[m]["executed_by"] for m in ("ortmodule", variant)} == {"onnxruntime"}
+    assert rows["compile"]["executed_by"] == "inductor"  # torch.compile's engine, proven by its compiled runs
     for r in rows.values():
         assert 0 < r["mfu"] < 1 and r["peak_rss_mb"] > 0 and r["first_step_s"] > 0
         assert r["steps"] == 3  # --steps overrides the budget
@@ -233,6 +234,8 @@ def test_bench_reports_every_mode_with_its_ratio_to_eager(tmp_path):
     for run in report["runs"]:  # ORT's own counters: the first step, the warm-up and 2 x 2 passes of 3 steps
         if run["executed_by"] == "onnxruntime":
             assert run["engine"]["ort_train_steps"] == 1 + 1 + 4 * 3, run
+        if run["executed_by"] == "inductor":  # and the loop's final evaluation, compiled too
+            assert run["engine"]["compiled_steps"] == 1 + 1 + 4 * 3, run
     peaks = report["matmul_peaks_gflops"]  # MFU is against the faster runtime's matmul
     assert set(peaks) == {"torch", "onnxruntime"} and report["matmul_peak_gflops"] == max(peaks.values()) > 0
 

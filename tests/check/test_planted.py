@@ -127,3 +127,22 @@ def test_strict_fails_when_an_engine_trains_to_nan_where_eager_does_not(monkeypa
     for engine in ENGINES:
         assert f"accel={engine} (fp32) does not train: a non-finite loss at step 1" in str(failed.value)
 
+
+def test_a_bug_planted_in_the_compiled_engine_is_caught_in_its_row(monkeypatch):
+    """accel=compile is judged like the ORT engines: unplanted it is within eager's own noise; a gradient the engine
+    scales by 1e-3 after its backward (a hook it puts on one parameter) makes its row differ, naming the parameter."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from ortflow.accel import compile as compiled
+
+    clean = {r["mode"]: r for r in check(MLP, STEPS, ["none", "compile"])["rows"]}
+    assert clean["compile"]["trains"] and clean["compile"]["executed_by"] == "inductor", clean["compile"]
+    assert clean["compile"]["verdict"] == "within eager's own noise", clean["compile"]
+    built = compiled.CompiledEngine.__init__
+
+    def planted(self, ctx, settings):
+        built(self, ctx, settings)
+        dict(ctx.model.named_parameters())["2.bias"].register_hook(lambda grad: grad * (1 + 1e-3))
+
+    monkeypatch.setattr(compiled.CompiledEngine, "__init__", planted)
+    with pytest.raises(parity.ParityFailed, match=r"accel=compile \(fp32\) differs: step-1 gradient of '2.bias'"):
+        check(MLP, STEPS, ["none", "compile"], strict=True)

@@ -11,7 +11,7 @@ import torch
 from ortflow.run.runner import train
 from tests.conftest import make_cfg
 
-MODES = ["none", "ortmodule", "artifacts"]
+MODES = ["none", "ortmodule", "artifacts", "compile"]
 DIGITS = [
     "+recipe=digits",
     "scheduler=constant",
@@ -20,7 +20,7 @@ DIGITS = [
     "logger.progress=false",
 ]
 # Measured: eager/ORTModule ~1e-7, artifacts ~2e-6 (ORT's AdamW graph) after 4 steps.
-WEIGHT_TOL = {"none": 1e-5, "ortmodule": 1e-5, "artifacts": 1e-4}
+WEIGHT_TOL = {"none": 1e-5, "ortmodule": 1e-5, "artifacts": 1e-4, "compile": 1e-5}
 
 
 def run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, Path]:
@@ -58,6 +58,7 @@ def test_the_gradient_norm_is_the_same_in_every_mode_and_is_taken_before_clippin
     assert all(n > 0.01 for n in norms["none"])  # above the clip: the logged norm is the unclipped one
     np.testing.assert_allclose(norms["ortmodule"], norms["none"], rtol=1e-4)
     np.testing.assert_allclose(norms["artifacts"], norms["none"], rtol=1e-4)
+    np.testing.assert_allclose(norms["compile"], norms["none"], rtol=1e-4)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -33,6 +33,8 @@ LONG = [
 # Measured: resumed ORT runs match the uninterrupted ones bit for bit too (ORT's dropout is re-seeded per step);
 # the stated tolerance for ORT modes leaves room for kernels that sum in a thread-dependent order.
 RTOL_ORT = 1e-6
+# What each engine's record says executed it (its own counters: ORT's runs, inductor's compiled graphs' runs).
+EXECUTED_BY = {"none": "pytorch", "ortmodule": "onnxruntime", "artifacts": "onnxruntime", "compile": "inductor"}
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
@@ -95,7 +97,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accel", ["none", "ortmodule", "artifacts"])
+@pytest.mark.parametrize("accel", ["none", "ortmodule", "artifacts", "compile"])
 def test_kill9_at_a_random_step_then_resume_matches_an_uninterrupted_run(accel, reference, tmp_path):
     run_dir = tmp_path / "run"
     args = [*LONG, f"accel={accel}", "hydra.run.dir=run"]
@@ -122,9 +124,8 @@ def test_kill9_at_a_random_step_then_resume_matches_an_uninterrupted_run(accel, 
     assert resumed["status"] == "completed"
     assert resumed["resumed_from"]["step"] >= killed_after and resumed["resumed_from"]["optimizer_restored"]
     assert resumed["attempts"][0]["status"] == "running"  # the killed attempt is kept in the record
-    if accel != "none":
-        assert resumed["engine"]["executed_by"] == "onnxruntime"
-    worst = assert_same_run(run_dir, reference(accel), 0.0 if accel == "none" else RTOL_ORT)
+    assert resumed["engine"]["executed_by"] == EXECUTED_BY[accel]
+    worst = assert_same_run(run_dir, reference(accel), 0.0 if accel in ("none", "compile") else RTOL_ORT)
     print(f"{accel}: largest relative difference to the uninterrupted run: {worst:.3g}")
 
 
