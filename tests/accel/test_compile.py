@@ -21,6 +21,8 @@ from ortflow.model.freeze import freeze
 from tests.accel.test_vision_engines import STATS_ATOL, conv_bn, images, make_engine, optim
 from tests.conftest import make_cfg
 
+# dynamo's recompile limit (its name before torch 2.7: cache_size_limit)
+LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 RTOL = 1e-5  # losses against eager's on the same batches; measured <= 3e-7 (inductor's kernels sum in another order)
 
 
@@ -87,11 +89,10 @@ def test_a_graph_break_is_refused_in_one_paragraph_or_run_in_eager_and_counted_w
     assert info["graph_breaks"] >= 1 and info["executed_by"] == "pytorch", info  # partly eager: not "inductor"
 
 
-def test_past_dynamos_recompile_limit_the_run_stops_instead_of_running_eager(tmp_path, monkeypatch):
+def test_past_dynamos_recompile_limit_the_run_stops_instead_of_running_eager(tmp_path):
     """Past its recompile limit dynamo gives up on a function: with fullgraph it says so (refused in one paragraph);
     without, it runs the function in eager PyTorch, silently, and the count of compiled runs sees it. (A batch of
     another shape compiles again; with a limit of 1 the second shape is past it.)"""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     g = torch.Generator().manual_seed(0)
     example = (torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g))
     short = (torch.randn(4, 16, generator=g), torch.randint(0, 5, (4,), generator=g))
@@ -102,7 +103,7 @@ def test_past_dynamos_recompile_limit_the_run_stops_instead_of_running_eager(tmp
         mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
         engine = make_engine("compile", mlp, example, tmp_path, fullgraph=fullgraph)
         engine.train_step(*example)
-        with pytest.raises(error, match=says):
+        with torch._dynamo.config.patch(**{LIMIT: 1}), pytest.raises(error, match=says):
             engine.train_step(*short)
 
 

@@ -142,6 +142,7 @@ def test_ortflow_check_prints_one_table_and_writes_json(tmp_path, capfd, monkeyp
         "none",
         "ortmodule",
         "artifacts",
+        "compile",
     }
     assert all(r["trains"] for r in report["rows"]), report["rows"]
 

@@ -86,7 +86,7 @@ def test_regression_recipe_beats_the_mean_predictor_in_every_mode(mode, tmp_path
 def test_help_lists_the_config_groups(tmp_path):
     result = run_cli("--help", cwd=tmp_path)
     assert result.returncode == 0
-    assert "accel: artifacts, auto, none, ortmodule" in result.stdout
+    assert "accel: artifacts, auto, compile, none, ortmodule" in result.stdout
     assert "recipe: digits, finetune, regression, transformer" in result.stdout
     assert "loss: bce_with_logits, cross_entropy, custom, mse" in result.stdout
 

@@ -2,6 +2,7 @@
 inductor compiled (the proof that a step ran compiled, as ORT's run counters are for the ORT engines), dynamo's
 own count of graph breaks, and inductor's cache folder under ortflow's cache."""
 
+import contextlib
 import os
 import shutil
 import time
@@ -97,7 +98,10 @@ def graph_breaks() -> int:
 def recompile_limit() -> int:
     """How many graphs dynamo compiles for one function before it runs it in eager PyTorch instead."""
     config = torch._dynamo.config
-    return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
+    for name in ("recompile_limit", "cache_size_limit"):  # the name before torch 2.7
+        with contextlib.suppress(AttributeError):
+            return int(getattr(config, name))
+    return 8
 
 
 def reset() -> None:
