@@ -24,6 +24,7 @@ from ortflow.config import AUTO, BF16, FP32
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import ConfigError, OrtflowError, root_reason
+from ortflow.model import one_ulp
 from ortflow.model.probe import training_forward_probe
 from ortflow.paths import compose_config
 from ortflow.run.runner import build_data, build_model, engine_context
@@ -177,8 +178,8 @@ def _noise_runs(settings: list[str], steps: int, precision: str, skip: int = 0) 
     dtype = torch.bfloat16 if precision == BF16 else torch.float32
     runs = []
     for seed in parity.NOISE_SEEDS:
-        one_ulp = lambda cfg, data, seed=seed: parity.perturbed(fresh_model(cfg, data), seed, dtype)  # noqa: E731
-        runs.append(try_mode("none", settings, steps, one_ulp, skip=skip))
+        moved = lambda cfg, data, seed=seed: one_ulp.perturbed(fresh_model(cfg, data), seed, dtype)  # noqa: E731
+        runs.append(try_mode("none", settings, steps, moved, skip=skip))
     return runs
 
 

@@ -1,7 +1,8 @@
 """ortflow-check's verdict: an engine's first step and loss curve against eager's own noise.
 
 Eager's own noise is measured, never assumed: eager is trained again from the same weights moved by one ulp each
-(`perturbed`: one ulp of the precision it computes in, bf16's with bf16-mixed; NOISE_SEEDS runs), on the same batches.
+(ortflow/model/one_ulp.py: one ulp of the precision it computes in, bf16's with bf16-mixed; NOISE_SEEDS runs), on the
+same batches.
 From those runs (`Envelope.measure`):
 
 - per trainable parameter, how far its step-1 gradient moves (the relative L2 difference from eager's, the largest
@@ -54,8 +55,6 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
-import torch
-from torch import nn
 
 from ortflow.check import update
 from ortflow.config import OptimConfig
@@ -68,24 +67,6 @@ BUFFER_FLOOR = 1e-5  # relative, per buffer
 LOSS_FLOOR = 1e-5  # relative, per step
 NOISY = 0.1  # a parameter (buffer) whose step-1 gradient (value) one ulp of the weights moves by more: rounding noise
 NOISE_SEEDS = (0, 1, 2)
-
-
-def perturbed(model: nn.Module, seed: int, precision: torch.dtype = torch.float32) -> nn.Module:
-    """`model` with every floating-point parameter moved by one ulp of `precision` (the weights' own dtype, or
-    bfloat16 where the model computes in it), up or down at random (in place; pass a fresh model)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.is_floating_point():
-                up = torch.rand(parameter.shape, generator=generator) < 0.5
-                direction = torch.where(up, math.inf, -math.inf).to(precision)
-                if precision == parameter.dtype:
-                    parameter.copy_(torch.nextafter(parameter, direction.to(parameter.dtype)))
-                else:  # one ulp of `precision` at the weight's magnitude, added to the weight itself
-                    rounded = parameter.to(precision)
-                    step = torch.nextafter(rounded, direction).to(parameter.dtype) - rounded.to(parameter.dtype)
-                    parameter.add_(step)
-    return model
 
 
 def relative(got: np.ndarray, want: np.ndarray) -> float:

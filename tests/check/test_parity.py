@@ -14,6 +14,7 @@ from ortflow.check import parity
 from ortflow.check.capture import StepOne
 from ortflow.check.modes import check
 from ortflow.errors import ConfigError
+from ortflow.model import one_ulp
 from tests.conftest import REPO
 
 DIGITS = ["data=digits", "data.batch_size=32"]
@@ -24,7 +25,7 @@ def test_every_weight_moves_by_exactly_one_ulp():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    parity.perturbed(model, seed=0)
+    one_ulp.perturbed(model, seed=0)
     for name, value in model.state_dict().items():
         old = before[name]
         assert not torch.equal(value, old), name
@@ -37,7 +38,7 @@ def test_in_bf16_every_weight_moves_by_one_bf16_ulp():
     torch.manual_seed(0)
     model = nn.Linear(50, 40)
     before = model.weight.detach().clone()
-    parity.perturbed(model, seed=0, precision=torch.bfloat16)
+    one_ulp.perturbed(model, seed=0, precision=torch.bfloat16)
     rounded = before.to(torch.bfloat16)
     ulp = (torch.nextafter(rounded, torch.tensor(math.inf, dtype=torch.bfloat16)) - rounded).float()
     moved = (model.weight.detach() - before).abs()
