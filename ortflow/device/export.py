@@ -7,10 +7,13 @@ has dropout, each run's result); with `web`, web/ (web.py). It ends with the tor
 refuses to leave a set that fails it unreported: the failure is raised after the files are written.
 """
 
+import copy
+import dataclasses
 import importlib.metadata
 import json
 import logging
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from ortflow.data import Data
 from ortflow.device import artifact_set, check, graphs, manifest, portable, preprocessing, reference, torch_free
 from ortflow.errors import ConfigError, OrtflowError
 from ortflow.files import json_text, write_bytes_atomic
+from ortflow.model import one_ulp
 from ortflow.step import loss as losses
 from ortflow.step.batch import Inputs, layout_of, split_batch
 
@@ -32,6 +36,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 CHECK_FOLDER, NO_DROPOUT = "check", "no_dropout"
+NOISE_SEEDS = (0, 1, 2)  # eager from one-ulp weights, three times: the noise the check holds the set to
 
 
 @dataclass(frozen=True)
@@ -73,13 +78,11 @@ def example_batch(data: Data, size: int) -> tuple[Inputs, torch.Tensor]:
     raise ConfigError(f"--batch-size {size}: neither split of the run's data has {size} samples; give a smaller one.")
 
 
-def _prepare_out(out: Path) -> None:
-    """An empty folder, or one holding an earlier export (replaced); anything else is refused."""
-    if out.exists() and any(out.iterdir()):
-        if not (out / MANIFEST).is_file():
-            raise OrtflowError(f"--out {out} is not empty and holds no earlier export ({MANIFEST}); give a new folder.")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+def _check_out(out: Path) -> None:
+    """--out is empty, absent, or holds an earlier export (replaced once the new set passes); anything else is
+    refused."""
+    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise OrtflowError(f"--out {out} is not empty and holds no earlier export ({MANIFEST}); give a new folder.")
 
 
 def export(
@@ -87,10 +90,38 @@ def export(
 ) -> dict[str, Any]:
     """Write the set for `model`'s weights (the run's `cfg` and `data`) into request.out; returns the manifest.
 
+    The set is written into a new folder beside --out and takes its place only once its check passed: a check that
+    fails leaves nothing at --out (an earlier export there stays as it was) and the failed set at `<out>.failed`
+    for inspection, its manifest's check saying why.
+
     Raises:
         OrtflowError: an optimizer or layer no on-device runtime has, a model the export cannot make portable, or a
-            set that fails the torch-free check (the files stay, the check's table in the message).
+            set that fails the torch-free check (check.CheckFailed; the check's table in the message).
     """
+    out = request.out
+    _check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        record = _export(cfg, model, data, dataclasses.replace(request, out=staging), run)
+    except check.CheckFailed as err:
+        failed = out.with_name(out.name + ".failed")
+        shutil.rmtree(failed, ignore_errors=True)
+        staging.rename(failed)
+        raise check.CheckFailed(f"{err}\nNothing was written to {out}; the failed set is in {failed}.") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    return record
+
+
+def _export(
+    cfg: DictConfig, model: nn.Module, data: Data, request: Request, run: dict[str, Any] | None
+) -> dict[str, Any]:
+    """export() into request.out, a new folder."""
     optim = typed_optim(cfg)
     if problems := refusals(cfg, optim):
         raise OrtflowError(" ".join(problems))
@@ -104,8 +135,6 @@ def export(
     model = model.float().eval()
     momenta = artifact_set.batchnorm_momenta(model)  # momentum=None refused before anything is written
     out = request.out
-    _prepare_out(out)
-
     shipped = artifact_set.build(model, batch, objective, optim, lr, grad_clip, out)
     quiet = model if not shipped.dropout_nodes else artifact_set.without_dropout(model)
     check_set = shipped
@@ -129,23 +158,21 @@ def export(
         )
     shutil.copyfile(torch_free.__file__, out / check.SCRIPT)
 
-    eager = reference.eager_steps(
-        quiet,
-        layout,
-        batch,
-        objective,
-        optim,
-        reference.float32_lr(shipped.learning_rate_scale, portable.RUNTIME_LR),
-        grad_clip,
-        request.steps,
-    )
+    lr_in_graph = reference.float32_lr(shipped.learning_rate_scale, portable.RUNTIME_LR)
+    steps = (layout, batch, objective, optim, lr_in_graph, grad_clip, request.steps)
+    eager = reference.eager_steps(quiet, *steps)
+    noise = [reference.eager_steps(one_ulp.perturbed(copy.deepcopy(quiet), seed), *steps) for seed in NOISE_SEEDS]
+    envelope = check.Envelope.measure(eager, noise)
     results = out / CHECK_FOLDER
     results.mkdir(exist_ok=True)
     device = check.run_without_torch(out, check_set.folder, request.steps, results / "dropout_off.json")
     dropout_on = None
     if shipped.dropout_nodes:
         dropout_on = check.run_without_torch(out, out, 1, results / "dropout_on.json")
-    verdict = check.compare(device, eager, record["parameters"]["tensors"], dropout_on, shipped.dropout_nodes)
+    tensors = record["parameters"]["tensors"]
+    gradients = check.device_gradients(device, tensors)
+    replay = reference.replayed_update(quiet, gradients, optim, lr_in_graph, grad_clip)
+    verdict = check.compare(device, eager, tensors, dropout_on, shipped.dropout_nodes, envelope, replay)
     record["check"] = {
         "steps": request.steps,
         "lr": lr,
@@ -156,17 +183,22 @@ def export(
         "eval_loss_without_torch": device.eval_loss,
         "losses_eager": eager.losses,
         "set": str(check_set.folder.relative_to(out)) if check_set is not shipped else ".",
+        "eager_noise": envelope.record(),
+        "detects": envelope.detects(),
         "tolerances": {
-            "loss": check.TOLERANCE,
-            "parameters": check.PARAMETER_TOLERANCE,
-            "batchnorm": check.BATCHNORM_TOLERANCE,
+            "loss_step1": check.TOLERANCE,
+            "later_losses": f"max({check.TOLERANCE:g}, {check.LOSS_MARGIN:g} x eager's band at the step)",
+            "step1_gradients": f"max({check.GRADIENT_FLOOR:g}, {check.MARGIN:g} x the spread)",
+            "first_update": check.UPDATE_TOLERANCE,
+            "parameters": f"max({check.PARAMETER_TOLERANCE:g}, {check.MARGIN:g} x the spread)",
+            "batchnorm": f"max({check.BATCHNORM_TOLERANCE:g} x scale, {check.MARGIN:g} x the spread)",
         },
     }
     _write_manifest(out, record)
     log.info("device export %s, check without torch:\n%s", out, verdict.table())
     if verdict.failures:
-        raise OrtflowError(
-            f"the set exported to {out} does not train as eager PyTorch does without torch: "
+        raise check.CheckFailed(
+            "the exported set does not train as eager PyTorch does without torch: "
             + "; ".join(verdict.failures)
             + ".\n"
             + verdict.table()

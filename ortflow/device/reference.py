@@ -27,6 +27,16 @@ from ortflow.step.loss import Loss
 
 
 @dataclass
+class FirstStep:
+    """What the first step (same weights, same batch on both sides) leaves: each trainable parameter's gradient
+    (before clipping), and every parameter and running statistic after the update, by torch name."""
+
+    gradients: dict[str, np.ndarray] = field(default_factory=dict)
+    parameters: dict[str, np.ndarray] = field(default_factory=dict)
+    statistics: dict[str, np.ndarray] = field(default_factory=dict)  # "layer.running_mean" / "layer.running_var"
+
+
+@dataclass
 class Reference:
     losses: list[float]
     eval_loss: float
@@ -34,6 +44,8 @@ class Reference:
     running_mean: dict[str, np.ndarray] = field(default_factory=dict)  # BatchNorm layer -> torch's buffer
     running_var_biased: dict[str, np.ndarray] = field(default_factory=dict)  # ... with the biased batch variance
     running_var_torch: dict[str, np.ndarray] = field(default_factory=dict)  # ... torch's buffer (unbiased update)
+    first: FirstStep = field(default_factory=FirstStep)
+    initial_statistics: dict[str, np.ndarray] = field(default_factory=dict)  # the running statistics before step 1
 
 
 class BiasedRunningVariance:
@@ -105,17 +117,24 @@ def eager_steps(
     params = [p for p in model.parameters() if p.requires_grad]
     moments = [[torch.zeros_like(p), torch.zeros_like(p)] for p in params]
     tracked = BiasedRunningVariance(model)
+    initial = _statistics(tracked)
+    first = FirstStep()
     losses = []
     try:
         for step in range(1, steps + 1):
             value = loss(layout.call(model, tensors), targets)
             value.backward()
             losses.append(value.item())
+            if step == 1:
+                first.gradients = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
             if grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(params, grad_clip)
             _ort_step(params, moments, optim, lr, step)
             for p in params:
                 p.grad = None
+            if step == 1:
+                first.parameters = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+                first.statistics = _statistics(tracked)
     finally:
         tracked.remove()
     torch_var = {n: m.running_var.numpy().copy() for n, m in tracked.layers.items()}
@@ -132,4 +151,29 @@ def eager_steps(
         {n: m.running_mean.numpy().copy() for n, m in tracked.layers.items()},
         {n: v.float().numpy() for n, v in tracked.values.items()},
         torch_var,
+        first,
+        initial,
     )
+
+
+def _statistics(tracked: BiasedRunningVariance) -> dict[str, np.ndarray]:
+    """The running statistics a device keeps, by their torch names: the means and the biased-variance updates."""
+    found = {f"{n}.running_mean": m.running_mean.numpy().copy() for n, m in tracked.layers.items()}
+    found |= {f"{n}.running_var": v.float().numpy().copy() for n, v in tracked.values.items()}
+    return found
+
+
+def replayed_update(
+    model: nn.Module, gradients: dict[str, np.ndarray], optim: OptimConfig, lr: float, grad_clip: float | None
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The first update ORT's optimizer graph makes from `model`'s weights with the given gradients (a device's own),
+    clipping included: each trainable parameter before and after it, by torch name."""
+    named = [(n, p.detach().float().clone()) for n, p in model.named_parameters() if n in gradients]
+    before = {name: p.numpy().copy() for name, p in named}
+    params = [p for _, p in named]
+    for name, p in named:
+        p.grad = torch.from_numpy(np.asarray(gradients[name], np.float32).reshape(p.shape).copy())
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    _ort_step(params, [[torch.zeros_like(p), torch.zeros_like(p)] for p in params], optim, lr, 1)
+    return before, {name: p.numpy() for name, p in named}

@@ -8,7 +8,8 @@ At the end /proc/self/maps is read: no torch library, nor ORTModule's torch exte
 
 It trains `--steps` steps on the set's example batch (manifest.json says its files), evaluates the batch, and
 writes the losses, the learning rate the optimizer started at, the mapped libraries checked and the trained
-parameters (`get_contiguous_parameters`, every parameter in the manifest's order) into `--out`.
+parameters (`get_contiguous_parameters`, every parameter in the manifest's order) into `--out`; beside it, the first
+step's gradients (the trainable parameters', in the manifest's order) and every parameter after the first update.
 """
 
 import argparse
@@ -22,6 +23,7 @@ import numpy as np
 
 # Paths that would mean torch (or a torch extension) is in this process.
 FORBIDDEN_MAPS = ("libtorch", "libc10", "/torch/lib/", "aten_op_executor", "torch_interop_utils", "ortflow/extensions")
+FIRST_GRADIENTS, FIRST_PARAMETERS = ".step1-gradients.bin", ".step1-parameters.bin"  # beside --out
 DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.bool_, "float64": np.float64}
 
 
@@ -68,21 +70,46 @@ def read_batch(folder: Path, spec: list[dict]) -> list[np.ndarray]:
     return [np.fromfile(folder / s["file"], dtype=DTYPES[s["dtype"]]).reshape(s["shape"]) for s in spec]
 
 
-def train(set_dir: Path, steps: int, example_dir: Path) -> dict:
+def session_options(threads: int | None, optimize: bool) -> object | None:
+    """ONNX Runtime's session options for --threads and --no-graph-optimizations (None: its defaults)."""
+    if threads is None and optimize:
+        return None
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    if not optimize:
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return options
+
+
+def train(set_dir: Path, steps: int, example_dir: Path, threads: int | None = None, optimize: bool = True) -> dict:
     CheckpointState, Module, Optimizer, version = load_training_api()
     manifest = json.loads((set_dir / "manifest.json").read_text())
     files = manifest["files"]
     feeds = read_batch(example_dir, manifest["example_batch"]["inputs"])
     state = CheckpointState.load_checkpoint(str(set_dir / files["checkpoint"]))
-    module = Module(str(set_dir / files["training_model"]), state, str(set_dir / files["eval_model"]))
+    module = Module(
+        str(set_dir / files["training_model"]),
+        state,
+        str(set_dir / files["eval_model"]),
+        session_options=session_options(threads, optimize),
+    )
     optimizer = Optimizer(str(set_dir / files["optimizer_model"]), module)
     start_lr = float(optimizer.get_learning_rate())  # left as the runtime sets it: the set carries the rate
-    losses = []
+    trainable = [t for t in manifest["parameters"]["tensors"] if t["trainable"]]
+    losses, first = [], {}
     module.train()
-    for _ in range(steps):
+    for step in range(steps):
         losses.append(float(np.asarray(module(*feeds)).reshape(-1)[0]))
+        if step == 0:  # the first step's gradients (before clipping and the update), the trainable ones in order
+            grads = [np.asarray(state.parameters[t["name"]].grad, np.float32).reshape(-1) for t in trainable]
+            first["gradients"] = np.concatenate(grads) if grads else np.zeros(0, np.float32)
         optimizer.step()
         module.lazy_reset_grad()
+        if step == 0:  # every parameter and running statistic after the first update
+            first["parameters"] = np.asarray(module.get_contiguous_parameters(trainable_only=False).numpy(), np.float32)
     module.eval()
     eval_out = module(*feeds)
     eval_loss = float(np.asarray(eval_out[0] if isinstance(eval_out, (list, tuple)) else eval_out).reshape(-1)[0])
@@ -93,6 +120,7 @@ def train(set_dir: Path, steps: int, example_dir: Path) -> dict:
         "losses": losses,
         "eval_loss": eval_loss,
         "parameters": parameters,
+        "first": first,
         "torch_importable": _importable("torch"),
         "forbidden_maps": mapped_forbidden(),
         "training_package_init_run": hasattr(sys.modules["onnxruntime.training"], "__file__"),
@@ -105,14 +133,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--example", type=Path, help="the example batch's folder (default: the manifest's)")
     parser.add_argument("--out", type=Path, help="write the result JSON here (the parameters beside it, .bin)")
+    parser.add_argument("--threads", type=int, help="ONNX Runtime's intra-op threads (default: its own choice)")
+    parser.add_argument(
+        "--no-graph-optimizations", action="store_true", help="run the graphs as written (ORT_DISABLE_ALL)"
+    )
     args = parser.parse_args(argv)
     manifest = json.loads((args.set_dir / "manifest.json").read_text())
     example = args.example or args.set_dir / manifest["example_batch"]["folder"]
-    result = train(args.set_dir, args.steps, example)
-    parameters = result.pop("parameters")
+    result = train(args.set_dir, args.steps, example, args.threads, not args.no_graph_optimizations)
+    parameters, first = result.pop("parameters"), result.pop("first")
     if args.out is not None:
         parameters.tofile(args.out.with_suffix(".bin"))
         result["parameters_file"] = args.out.with_suffix(".bin").name
+        for key, suffix in (("gradients", FIRST_GRADIENTS), ("parameters", FIRST_PARAMETERS)):
+            if key in first:
+                first[key].tofile(args.out.with_suffix(suffix))
+                result[f"first_step_{key}_file"] = args.out.with_suffix(suffix).name
         args.out.write_text(json.dumps(result, indent=2))
     for step, loss in enumerate(result["losses"], 1):
         print(f"step {step}: loss {loss:.7f}")

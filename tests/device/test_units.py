@@ -144,26 +144,37 @@ def test_with_optimizer_state_is_refused_before_anything_is_written(tmp_path, ca
 
 
 def test_the_torch_free_check_fails_on_each_planted_fault():
-    from ortflow.device.check import PARAMETER_TOLERANCE, TOLERANCE, DeviceRun, compare
-    from ortflow.device.reference import Reference
+    """Eager's noise at zero (every tolerance at its floor): each planted fault fails, a clean device passes."""
+    from ortflow.device.check import PARAMETER_TOLERANCE, TOLERANCE, UPDATE_TOLERANCE, DeviceRun, Envelope, compare
+    from ortflow.device.reference import FirstStep, Reference
 
     weights, mean, var = np.array([0.5, -2.0, 1.0]), np.array([0.1, 0.2]), np.array([1.0, 0.9])
     tensors = [
-        {"torch_name": "layer.weight", "shape": [3], "offset": 0},
-        {"torch_name": "bn.running_mean", "shape": [2], "offset": 3},
-        {"torch_name": "bn.running_var", "shape": [2], "offset": 5},
+        {"torch_name": "layer.weight", "shape": [3], "offset": 0, "trainable": True, "trainable_offset": 0},
+        {"torch_name": "bn.running_mean", "shape": [2], "offset": 3, "trainable": False},
+        {"torch_name": "bn.running_var", "shape": [2], "offset": 5, "trainable": False},
     ]
-    reference = Reference([2.0, 1.5], 1.4, {"layer.weight": weights}, {"bn": mean}, {"bn": var})
+    before = {"layer.weight": weights + 0.1}  # the weights before step 1; the first update moved them by -0.1
+    initial = {"bn.running_mean": np.zeros(2), "bn.running_var": np.ones(2)}
+    first_stats = {"bn.running_mean": mean, "bn.running_var": var}
+    gradients = np.array([0.3, -0.2, 0.1])
+    first = FirstStep({"layer.weight": gradients}, {"layer.weight": weights}, first_stats)
+    reference = Reference([2.0, 1.5], 1.4, {"layer.weight": weights}, {"bn": mean}, {"bn": var}, {}, first, initial)
+    envelope = Envelope.measure(reference, [reference])  # no noise: every tolerance at its floor
     clean = {"forbidden_maps": [], "torch_importable": False, "training_package_init_run": False}
 
-    def run(losses=(2.0, 1.5), eval_loss=1.4, w=weights, m=mean, v=var, record=clean) -> list[str]:
-        device = DeviceRun(list(losses), eval_loss, np.concatenate([w, m, v]), record)
-        return compare(device, reference, tensors, None, 0).failures
+    def run(losses=(2.0, 1.5), eval_loss=1.4, w=weights, m=mean, v=var, g=gradients, w1=weights, record=clean):
+        after_first = np.concatenate([w1, mean, var])
+        device = DeviceRun(list(losses), eval_loss, np.concatenate([w, m, v]), record, g, after_first)
+        return compare(device, reference, tensors, None, 0, envelope, (before, {"layer.weight": weights})).failures
 
     assert run() == []
-    assert run(losses=(2.0, 1.5 * (1 + 2 * TOLERANCE)))  # a step's loss at twice the tolerance
+    assert run(losses=(2.0 * (1 + 2 * TOLERANCE), 1.5))  # the step-1 loss at twice the tolerance
+    assert run(losses=(2.0, 1.5 * (1 + 2 * TOLERANCE)))  # a later step's (eager's band at 0: the floor)
     assert run(eval_loss=1.4 * (1 + 2 * TOLERANCE))
-    assert run(w=weights + np.array([0.0, 2 * 2.0 * PARAMETER_TOLERANCE, 0.0]))  # one weight
+    assert run(w=weights + np.array([0.0, 2 * 2.0 * PARAMETER_TOLERANCE, 0.0]))  # one weight after the steps
     assert run(m=mean + np.array([0.0, 1e-4]))  # one running mean
     assert run(v=var * np.array([1.0, 1 + 1e-4]))  # one running variance (torch's unbiased one, say)
+    assert run(g=gradients * np.array([1.0, 1.0, 1 + 1e-4]))  # one step-1 gradient
+    assert run(w1=weights - 0.1 * 2 * UPDATE_TOLERANCE)  # the first update, off by twice its tolerance
     assert run(record={**clean, "forbidden_maps": ["/site-packages/torch/lib/libtorch_cpu.so"]})
