@@ -195,7 +195,7 @@ def reference(settings: list[str], steps: int, skip: int = 0) -> tuple[dict[str,
     if not eager["trains"]:
         return eager, None
     precision = str(_compose(settings, "none").trainer.precision)
-    return eager, parity.Envelope.measure(eager, _noise_runs(settings, steps, precision, skip))
+    return eager, parity.Envelope.measure(eager, _noise_runs(settings, steps, precision, skip), precision)
 
 
 def next_batch_envelope(settings: list[str], steps: int) -> Callable[[], parity.Envelope | None]:
@@ -231,6 +231,7 @@ def check(
     modes: list[str],
     precisions: tuple[str, ...] | None = None,
     strict: bool = False,
+    accept_unjudgeable: bool = False,
 ) -> dict[str, Any]:
     """Build the model once (checking its contract), then, in each precision, eager (the reference), eager from
     one-ulp weights (its own noise: parity.Envelope) and each mode, every one on the model built afresh as a run
@@ -241,7 +242,9 @@ def check(
         steps: training steps per mode.
         modes: the accel modes to try (eager always runs: it is the reference).
         precisions: trainer.precision values to check in (default: the config's own).
-        strict: raise ParityFailed when a row differs (or nothing could be compared).
+        strict: raise ParityFailed when a row differs, does not train, cannot be judged (or nothing could be
+            compared).
+        accept_unjudgeable: with `strict`, a row the check cannot judge (eager's own runs too chaotic) passes.
 
     Raises:
         ConfigError: the config, or precisions the check cannot honour.
@@ -251,13 +254,18 @@ def check(
     register_configs()
     _COMPOSED = {}
     try:
-        return _check(overrides, steps, modes, precisions, strict)
+        return _check(overrides, steps, modes, precisions, strict, accept_unjudgeable)
     finally:
         _COMPOSED = None
 
 
 def _check(
-    overrides: list[str], steps: int, modes: list[str], precisions: tuple[str, ...] | None, strict: bool
+    overrides: list[str],
+    steps: int,
+    modes: list[str],
+    precisions: tuple[str, ...] | None,
+    strict: bool,
+    accept_unjudgeable: bool = False,
 ) -> dict[str, Any]:
     cfg = _compose(overrides, "none")
     precisions = precisions_of(cfg, overrides, precisions)
@@ -289,6 +297,6 @@ def _check(
         "random_forward": random,
         "torch": torch.__version__,
     }
-    if strict and (failed := parity.failures(report)):
+    if strict and (failed := parity.failures(report, accept_unjudgeable)):
         raise parity.ParityFailed(failed, report)
     return report

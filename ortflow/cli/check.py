@@ -5,7 +5,9 @@ gradient against eager's, a verdict against eager's own noise (ortflow/check/par
 can see, step time, and the graph fixes ortflow applied.
 Every row and eager's own noise run in the config's trainer.precision, or in each of `--precision fp32,bf16-mixed`.
 With `--strict` the command exits with status 1 when a row differs, or does not train where eager does (it crashes, is
-refused, runs partly outside its engine or reaches a non-finite loss): a CI gate no broken engine passes.
+refused, runs partly outside its engine or reaches a non-finite loss), or cannot be judged (eager's own runs too
+chaotic for the check to see a 1% step-1 gradient error: `--accept-unjudgeable` passes those): a CI gate no broken
+engine passes.
 The result also goes to a JSON file (`--out`, default outputs/check/<time>.json).
 """
 
@@ -37,6 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--strict", action="store_true", help="exit with status 1 when a row differs or does not train where eager does"
     )
+    parser.add_argument(
+        "--accept-unjudgeable",
+        action="store_true",
+        help="with --strict, pass a row the check cannot judge (eager's own runs too chaotic to see a 1%% error)",
+    )
     parser.add_argument("--out", type=Path, help="JSON file (default outputs/check/<time>.json)")
     args = parser.parse_args(argv)
     precisions = tuple(args.precision.split(",")) if args.precision else None
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(report, indent=2, default=str))
     print(f"log: {out.with_suffix('.log')}")
     print(f"written to {out}")
-    if args.strict and (failed := parity.failures(report)):
+    if args.strict and (failed := parity.failures(report, args.accept_unjudgeable)):
         print(f"ortflow-check --strict: {len(failed)} failed: " + "; ".join(failed), file=sys.stderr)
         sys.exit(1)
 

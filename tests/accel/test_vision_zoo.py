@@ -1,6 +1,8 @@
 """Third-party vision models (torchvision and timm; random init, 3x32x32 images, batch 8) in both ORT engines:
-`ortflow-check` gives each engine the verdict "within eager's own noise"; segmentation models with torch's
-(B, C, H, W) logits train with the default loss at eager's first-step loss. Minutes on 2 cores: the slow tier."""
+`ortflow-check` gives each engine the verdict "within eager's own noise", or, where eager's own one-ulp runs are too
+chaotic at this size for the check to see a 1% step-1 gradient error, "cannot judge" (never "differs");
+segmentation models with torch's (B, C, H, W) logits train with the default loss at eager's first-step loss. Minutes
+on 2 cores: the slow tier."""
 
 import pytest
 import torch
@@ -26,6 +28,14 @@ MODELS = [
     "timm:convnext_atto",
     "timm:vit_tiny_patch16_224",  # at img_size 32, patch 8
 ]
+# At 32x32 and batch 8 one ulp of the weights moves a gradient of these so far that the check cannot see a 1% error
+# (measured on a Zen 5, the smallest error it sees: DenseNet-121 0.53, RegNetY-400MF 0.81, ShuffleNetV2 0.5 0.029,
+# which another CPU's rounding may bring under 1%: either verdict, never "differs").
+UNJUDGEABLE = {
+    "torchvision:densenet121": True,
+    "torchvision:regnet_y_400mf": True,
+    "torchvision:shufflenet_v2_x0_5": None,
+}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -37,7 +47,9 @@ def test_a_third_party_model_trains_within_eagers_own_noise(name, monkeypatch):
     for mode in ("ortmodule", "artifacts"):
         row = rows[mode]
         assert row["trains"] and row["executed_by"] == "onnxruntime", row
-        assert row["verdict"].startswith("within eager's own noise"), row
+        verdicts = {False: ("within eager's own noise",), True: ("cannot judge",)}
+        expected = verdicts.get(UNJUDGEABLE.get(name, False), (*verdicts[False], *verdicts[True]))
+        assert row["verdict"].startswith(expected), row
 
 
 def test_resnet18_gets_a_verdict(monkeypatch):
