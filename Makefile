@@ -105,7 +105,7 @@ setup-device: setup-test
 # tests/device/ (deselected from the other targets): exports that train where torch is absent and in a browser. One
 # process: its tests share trained runs (a module fixture), which xdist workers would each train again.
 test-device: setup-device
-	ORTFLOW_DEVICE_TESTS=1 $(BIN)/python -m pytest -n 0 $(DURATIONS) tests/device $(PYTEST_ARGS)
+	ORTFLOW_DEVICE_TESTS=1 ORTFLOW_TESTS_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -n 0 $(DURATIONS) tests/device $(PYTEST_ARGS)
 
 # ---------------------------------------------------------------- beyond one machine: clusters and the newest torch
 # The tests against real clusters they start themselves (tests/cluster/: a Ray head and a second node, a one-node
@@ -119,7 +119,7 @@ setup-cluster:
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge iproute2; }
 
 test-cluster: setup-test
-	ORTFLOW_CLUSTER_TESTS=1 $(BIN)/python -m pytest -n 0 $(DURATIONS) $(CLUSTER_TESTS) $(PYTEST_ARGS)
+	ORTFLOW_CLUSTER_TESTS=1 ORTFLOW_TESTS_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -n 0 $(DURATIONS) $(CLUSTER_TESTS) $(PYTEST_ARGS)
 
 # The newest torch in the supported range, a third leg beside the default and RANGE_TORCH: the same RANGE_TESTS in
 # .venv-torch$(NEWEST_TORCH). The development machines' pip caps torch at 2.14.1 with a constraints file

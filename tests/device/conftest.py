@@ -3,13 +3,16 @@
 They run in their own phase (`make test-device`, ORTFLOW_DEVICE_TESTS=1): each trains small runs and exports them,
 a minute or more in all, and the browser needs Debian's chromium and onnxruntime-web from npm (`make setup-device`).
 Without ORTFLOW_DEVICE_TESTS they are deselected. A missing browser or npm skips a test with the reason, except
-under CI=true, where it fails; the session's summary says how many browser tests ran, and under CI none is a failure.
+under CI=true and in `make test-device` (ORTFLOW_TESTS_REQUIRE_TOOLS=1), where it fails; the session's summary says
+how many browser tests ran, and there none is a failure.
 """
 
 import os
 import shutil
 
 import pytest
+
+from tests.helpers.clusters import tools_required
 
 ENABLED = os.environ.get("ORTFLOW_DEVICE_TESTS") == "1"
 BROWSER = "chromium"
@@ -30,7 +33,7 @@ def require(tool: str, why: str) -> str:
     path = shutil.which(tool)
     if path is None:
         message = f"{tool} is not installed ({why}); `make setup-device` installs it"
-        if os.environ.get("CI") == "true":
+        if tools_required():
             pytest.fail(message)
         pytest.skip(message)
     return path
@@ -53,5 +56,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if ENABLED and os.environ.get("CI") == "true" and _browser_runs["passed"] == 0:
+    if ENABLED and tools_required() and _browser_runs["passed"] == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -6,7 +6,8 @@ card's address, not loopback. The Ray cluster therefore runs in a network namesp
 loopback interface (`unshare -n`, entered with `nsenter`), so every connection stays on 127.0.0.1. Everything is
 stopped by process id: the processes each `ray start --block` started end with it.
 
-Outside CI a missing tool (ray, slurm-wlm, unshare) skips the tests with the reason; under CI=true it fails them."""
+Outside CI a missing tool (ray, slurm-wlm, unshare) skips the tests with the reason; under CI=true, and in `make
+test-cluster` (ORTFLOW_TESTS_REQUIRE_TOOLS=1) whatever the environment, it fails them."""
 
 import contextlib
 import json
@@ -31,7 +32,7 @@ def require(ok: bool, reason: str) -> None:
     """Skip (or, under CI, fail) a test whose cluster cannot be started here."""
     if ok:
         return
-    if os.environ.get("CI") == "true":
+    if tools_required():
         pytest.fail(f"{reason} (.ci/run installs it)")
     pytest.skip(reason)
 
@@ -360,3 +361,9 @@ def slurm_cluster(root: Path) -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+def tools_required() -> bool:
+    """A missing tool fails a test instead of skipping it: under CI, and in the phases that exist to run those tests
+    (`make test-device`, `make test-cluster` set ORTFLOW_TESTS_REQUIRE_TOOLS=1), so no such suite quietly shrinks."""
+    return os.environ.get("CI") == "true" or os.environ.get("ORTFLOW_TESTS_REQUIRE_TOOLS") == "1"
