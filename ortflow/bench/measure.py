@@ -109,7 +109,8 @@ def profile(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     s = start_measurement(args, passes=1, scratch=scratch, max_steps=PROFILE_MAX_STEPS)
     engine, steps = s["engine"], s["steps"]
     timed = list(itertools.islice(s["batches"], steps))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    # record_shapes: the input dtypes and shapes that tell a dtype conversion (profiling.torch_conversions)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         start = time.perf_counter()
         for x, y in timed:
             engine.train_step(x, y)
@@ -127,4 +128,12 @@ def profile(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         "step_ms": step_ms,  # under both profilers: slower than the timed runs
         "ort_ops": profiling.ort_ops(ort_dir, skip_runs=skip, steps=steps),
         "torch_ops": profiling.torch_ops(prof, steps),
+        "conversions": _conversions(prof, ort_dir, skip, steps),
     }
+
+
+def _conversions(prof: torch.profiler.profile, ort_dir: Path, skip: int, steps: int) -> dict[str, Any]:
+    """Every fp32<->bf16 (any float<->float) conversion per step, wherever it ran: torch's and ORT's, and both."""
+    by_torch = profiling.torch_conversions(prof, steps)
+    by_ort = profiling.ort_conversions(ort_dir, skip_runs=skip, steps=steps)
+    return {"torch": by_torch, "onnxruntime": by_ort, "total": profiling.total_conversions(by_torch, by_ort)}

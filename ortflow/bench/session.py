@@ -24,7 +24,7 @@ from ortflow.bench.records import (
     write_record,
 )
 from ortflow.bench.summary import summarize
-from ortflow.bench.tables import profile_table, short, table
+from ortflow.bench.tables import conversions_line, profile_table, short, table
 from ortflow.config import BF16
 from ortflow.report import terminal
 from ortflow.report.plots import plot_scaling
@@ -144,3 +144,5 @@ def finish_profile(args: argparse.Namespace, record: dict[str, Any], console: Co
             f"{result['step_ms']:.1f} ms/step under the profilers, {result['steps']} steps"
         )
         console.print(profile_table(result, args.top, title))
+        if "conversions" in result:
+            console.print(conversions_line(result, record["profiles"]))

@@ -95,3 +95,28 @@ def profile_table(result: dict[str, Any], top: int, title: str) -> Table:
         "",
     )
     return t
+
+
+def conversions_line(result: dict[str, Any], profiles: list[dict[str, Any]]) -> str:
+    """One mode's dtype conversions per step (count, MB read and written, ms; torch's and ORT's), and their volume
+    against eager's in the same setting and precision where the profile has it."""
+    c = result["conversions"]
+    total, by_torch, by_ort = c["total"], c["torch"], c["onnxruntime"]
+    line = (
+        f"dtype conversions per step: {total['count']:g} ({total['mb']:.1f} MB, {total['ms']:.2f} ms): torch "
+        f"{by_torch['count']:g} ({by_torch['mb']:.1f} MB, {by_torch['ms']:.2f} ms), ORT Casts {by_ort['count']:g} "
+        f"({by_ort['mb']:.1f} MB, {by_ort['ms']:.2f} ms)"
+    )
+    mode, _, own = str(result.get("mode", "")).partition(":")
+    eager_mode = f"none:{own}" if own else "none"  # the same precision and overrides, eager
+    eager = next(
+        (
+            p["conversions"]["total"]
+            for p in profiles
+            if p.get("mode") == eager_mode and p.get("setting") == result.get("setting") and "conversions" in p
+        ),
+        None,
+    )
+    if eager is not None and mode != "none" and eager["mb"] > 0:
+        line += f"; {total['mb'] / eager['mb']:.2f}x eager's volume"
+    return line

@@ -62,3 +62,79 @@ def torch_ops(profiler: torch.profiler.profile, steps: int) -> list[OpRow]:
 def total_ms(rows: list[OpRow]) -> float:
     """The rows' time per step, leaving out ranges in which ORT ran (their time is ORT's kernels and overhead)."""
     return sum(r["ms_per_step"] for r in rows if not r.get("ort_run"))
+
+
+# ---------------------------------------------------------------------------------------------- dtype conversions
+# Bytes per element of the floating-point dtypes as each profiler names them (torch.profiler's input dtypes, ORT's
+# type names in a node's input_type_shape / output_type_shape).
+_TORCH_FLOATS = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2}
+_ORT_FLOATS = {"float": 4, "double": 8, "bfloat16": 2, "float16": 2}
+Conversions = dict[str, float]  # {"count": per step, "mb": per step, "ms": per step}
+
+
+def _conversions(count: int, nbytes: float, us: float, steps: int) -> Conversions:
+    return {"count": count / steps, "mb": nbytes / steps / 1e6, "ms": us / steps / 1000}
+
+
+def _numel(shape: list[int]) -> int:
+    size = 1
+    for dim in shape:
+        size *= int(dim)
+    return size
+
+
+def torch_conversions(profiler: torch.profiler.profile, steps: int) -> Conversions:
+    """torch's dtype conversions per step: every `aten::copy_` from one floating-point dtype into another (what
+    `.to(dtype)`, autocast's casts and a kernel's own casts run), counted wherever it ran (eager's step, torch-kernel
+    nodes inside ORT's graphs, ortflow's own torch ops); copies that keep the dtype are not conversions. Needs a
+    profile taken with record_shapes=True. MB: bytes read plus bytes written."""
+    count, nbytes, us = 0, 0.0, 0.0
+    for event in profiler.events():
+        if event.name != "aten::copy_":
+            continue
+        dtypes, shapes = list(getattr(event, "input_dtypes", []) or []), list(event.input_shapes or [])
+        if len(dtypes) < 2 or len(shapes) < 1 or dtypes[0] == dtypes[1]:
+            continue
+        if dtypes[0] not in _TORCH_FLOATS or dtypes[1] not in _TORCH_FLOATS:
+            continue
+        count += 1
+        nbytes += _numel(shapes[0]) * (_TORCH_FLOATS[dtypes[0]] + _TORCH_FLOATS[dtypes[1]])
+        us += event.self_cpu_time_total
+    return _conversions(count, nbytes, us, steps)
+
+
+def _type_and_size(spec: list[dict[str, list[int]]]) -> tuple[str | None, int]:
+    if not spec:
+        return None, 0
+    ((name, shape),) = spec[0].items()
+    return name, _numel(shape)
+
+
+def ort_conversions(profile_dir: Path, skip_runs: int, steps: int) -> Conversions:
+    """ORT's dtype conversions per step: its Cast nodes from one floating-point type into another, over the profiled
+    runs (the first `skip_runs` runs of each node left out, as in ort_ops)."""
+    count, nbytes, us = 0, 0.0, 0.0
+    for path in sorted(profile_dir.glob("*.json")):
+        runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for event in json.loads(path.read_text()):
+            args = event.get("args", {})
+            if (
+                event.get("cat") == "Node"
+                and event.get("name", "").endswith("_kernel_time")
+                and args.get("op_name") == "Cast"
+            ):
+                runs[event["name"]].append(event)
+        for events in runs.values():
+            for event in sorted(events, key=lambda e: e["ts"])[skip_runs:]:
+                source, size = _type_and_size(event["args"].get("input_type_shape", []))
+                target, _ = _type_and_size(event["args"].get("output_type_shape", []))
+                if source == target or source not in _ORT_FLOATS or target not in _ORT_FLOATS:
+                    continue
+                count += 1
+                nbytes += size * (_ORT_FLOATS[source] + _ORT_FLOATS[target])
+                us += event["dur"]
+    return _conversions(count, nbytes, us, steps)
+
+
+def total_conversions(*parts: Conversions) -> Conversions:
+    return {key: sum(p[key] for p in parts) for key in ("count", "mb", "ms")}
