@@ -175,6 +175,8 @@ class ImageDataConfig:
 @dataclass
 class ImagesDataConfig(ImageDataConfig):
     _target_: str = "ortflow.data.images.embedded.build_images_data"
+    mean: list[float] = ranged([0.5, 0.5, 0.5], Len(3, 3))  # the drawn colours are uniform in [0, 1]
+    std: list[float] = ranged([0.3, 0.3, 0.3], Len(3, 3), each=Gt(0))
     train_images: int = ranged(5000, Ge(1))  # drawn images, classes balanced
     val_images: int = ranged(1000, Ge(1))
     noise: float = ranged(0.08, Interval(ge=0, le=1))  # standard deviation of the pixel noise (intensities 0..1)
@@ -183,6 +185,11 @@ class ImagesDataConfig(ImageDataConfig):
 @dataclass
 class ImageFolderDataConfig(ImageDataConfig):
     _target_: str = "ortflow.data.images.folder.build_image_folder_data"
+    # torchvision's classification references': 224 crops of 256, RandomResizedCrop in training
+    image_size: int = ranged(224, Interval(ge=8, le=4096))
+    resize: int | None = ranged(256, Ge(1))
+    crop: ImageCrop = ImageCrop.random_resized
+    batch_size: int = ranged(32, Interval(ge=1, le=65536))
     root: str = MISSING  # the folder holding train/<class>/<images> and val/<class>/<images>
     verify: bool = True  # read every image's header before training (a bad file stops the run at start-up)
 
