@@ -54,16 +54,21 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model.eval()(ids)
 
 
+EXECUTED_BY = {"none": "pytorch", "ortmodule": "onnxruntime", "artifacts": "onnxruntime", "compile": "inductor"}
+
+
 @pytest.mark.parametrize("arch", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", ["none", "ortmodule", "artifacts"])
+@pytest.mark.parametrize("kind", ["none", "ortmodule", "artifacts", pytest.param("compile", marks=pytest.mark.slow)])
 def test_lora_trains_only_adapters_exports_hf_and_transformers_loads_the_runs_logits(saved, arch, kind, tmp_path):
     import transformers
 
     result = finetune(saved[arch], tmp_path / "run", f"accel={kind}", "export.hf=true")
     record = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert record["engine"]["executed_by"] == ("pytorch" if kind == "none" else "onnxruntime")
-    if kind != "none":
+    assert record["engine"]["executed_by"] == EXECUTED_BY[kind]
+    if kind in ("ortmodule", "artifacts"):
         assert record["engine"]["ort_train_steps"] == 4
+    if kind == "compile":
+        assert record["engine"]["compiled_steps"] == 4
     trained = result.model.state_dict()
     adapters = {k for k in trained if ".lora_" in k}
     assert adapters and record["parameters"]["trainable"] == sum(trained[k].numel() for k in adapters)
