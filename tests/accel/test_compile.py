@@ -90,20 +90,18 @@ def test_a_graph_break_is_refused_in_one_paragraph_or_run_in_eager_and_counted_w
 
 
 def test_past_dynamos_recompile_limit_the_run_stops_instead_of_running_eager(tmp_path):
-    """Past its recompile limit dynamo gives up on a function: with fullgraph it says so (refused in one paragraph);
-    without, it runs the function in eager PyTorch, silently, and the count of compiled runs sees it. (A batch of
-    another shape compiles again; with a limit of 1 the second shape is past it.)"""
+    """Past its recompile limit dynamo gives up on a function: with fullgraph it says so (refused in one paragraph;
+    torch 2.6 falls back as without); without, it runs the function in eager PyTorch, silently, and the count of
+    compiled runs sees it. (A batch of another shape compiles again; with a limit of 1 the second shape is past it.)"""
     g = torch.Generator().manual_seed(0)
     example = (torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g))
     short = (torch.randn(4, 16, generator=g), torch.randint(0, 5, (4,), generator=g))
-    for fullgraph, error, says in (
-        ("true", ModelError, "recompile limit"),
-        ("false", OrtflowError, "no compiled graph"),
-    ):
+    cases = (("true", "recompile limit|ran no compiled graph"), ("false", "ran no compiled graph"))
+    for fullgraph, says in cases:
         mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
         engine = make_engine("compile", mlp, example, tmp_path, fullgraph=fullgraph)
         engine.train_step(*example)
-        with torch._dynamo.config.patch(**{LIMIT: 1}), pytest.raises(error, match=says):
+        with torch._dynamo.config.patch(**{LIMIT: 1}), pytest.raises(OrtflowError, match=says):
             engine.train_step(*short)
 
 
