@@ -66,9 +66,16 @@ def total_ms(rows: list[OpRow]) -> float:
 
 # ---------------------------------------------------------------------------------------------- dtype conversions
 # Bytes per element of the floating-point dtypes as each profiler names them (torch.profiler's input dtypes, ORT's
-# type names in a node's input_type_shape / output_type_shape).
+# type names in a node's input_type_shape / output_type_shape). A conversion has a 16-bit float on one side (what
+# mixed precision adds); float64<->float32 scalars (an optimizer's step count, a learning rate) are not counted.
 _TORCH_FLOATS = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2}
 _ORT_FLOATS = {"float": 4, "double": 8, "bfloat16": 2, "float16": 2}
+
+
+def _is_conversion(source: str | None, target: str | None, floats: dict[str, int]) -> bool:
+    return source != target and source in floats and target in floats and 2 in (floats[source], floats[target])
+
+
 Conversions = dict[str, float]  # {"count": per step, "mb": per step, "ms": per step}
 
 
@@ -84,7 +91,7 @@ def _numel(shape: list[int]) -> int:
 
 
 def torch_conversions(profiler: torch.profiler.profile, steps: int) -> Conversions:
-    """torch's dtype conversions per step: every `aten::copy_` from one floating-point dtype into another (what
+    """torch's dtype conversions per step: every `aten::copy_` between a 16-bit float and another float (what
     `.to(dtype)`, autocast's casts and a kernel's own casts run), counted wherever it ran (eager's step, torch-kernel
     nodes inside ORT's graphs, ortflow's own torch ops); copies that keep the dtype are not conversions. Needs a
     profile taken with record_shapes=True. MB: bytes read plus bytes written."""
@@ -93,9 +100,7 @@ def torch_conversions(profiler: torch.profiler.profile, steps: int) -> Conversio
         if event.name != "aten::copy_":
             continue
         dtypes, shapes = list(getattr(event, "input_dtypes", []) or []), list(event.input_shapes or [])
-        if len(dtypes) < 2 or len(shapes) < 1 or dtypes[0] == dtypes[1]:
-            continue
-        if dtypes[0] not in _TORCH_FLOATS or dtypes[1] not in _TORCH_FLOATS:
+        if len(dtypes) < 2 or len(shapes) < 1 or not _is_conversion(dtypes[0], dtypes[1], _TORCH_FLOATS):
             continue
         count += 1
         nbytes += _numel(shapes[0]) * (_TORCH_FLOATS[dtypes[0]] + _TORCH_FLOATS[dtypes[1]])
@@ -111,7 +116,7 @@ def _type_and_size(spec: list[dict[str, list[int]]]) -> tuple[str | None, int]:
 
 
 def ort_conversions(profile_dir: Path, skip_runs: int, steps: int) -> Conversions:
-    """ORT's dtype conversions per step: its Cast nodes from one floating-point type into another, over the profiled
+    """ORT's dtype conversions per step: its Cast nodes between a 16-bit float and another float, over the profiled
     runs (the first `skip_runs` runs of each node left out, as in ort_ops)."""
     count, nbytes, us = 0, 0.0, 0.0
     for path in sorted(profile_dir.glob("*.json")):
@@ -128,7 +133,7 @@ def ort_conversions(profile_dir: Path, skip_runs: int, steps: int) -> Conversion
             for event in sorted(events, key=lambda e: e["ts"])[skip_runs:]:
                 source, size = _type_and_size(event["args"].get("input_type_shape", []))
                 target, _ = _type_and_size(event["args"].get("output_type_shape", []))
-                if source == target or source not in _ORT_FLOATS or target not in _ORT_FLOATS:
+                if not _is_conversion(source, target, _ORT_FLOATS):
                     continue
                 count += 1
                 nbytes += size * (_ORT_FLOATS[source] + _ORT_FLOATS[target])

@@ -276,7 +276,7 @@ def test_bench_profile_puts_orts_operators_beside_torchs(tmp_path):
         )
         ort_run = "_ORTModuleFunction" if mode == "ortmodule" else "ortflow::ort_training_graph"
         assert ranges[ort_run]["ort_run"]  # its self time is ORT's: marked, and left out of torch's total
-    for mode in profiles:  # fp32: nothing converts between float dtypes, in any engine
+    for mode in profiles:  # fp32: nothing converts to or from a 16-bit float, in any engine
         assert profiles[mode]["conversions"]["total"] == {"count": 0.0, "mb": 0.0, "ms": 0.0}, mode
 
 
@@ -299,8 +299,8 @@ def test_ort_profile_is_reduced_per_operator_and_step_without_the_first_runs(tmp
 
 
 def test_dtype_conversions_are_counted_wherever_they_run_and_copies_that_keep_the_dtype_are_not(tmp_path):
-    """torch's: every aten::copy_ between float dtypes (a .to(), autocast's casts), by count, bytes read and written,
-    and self time; ORT's: its Cast nodes between float types, the first runs left out."""
+    """torch's: every aten::copy_ between a 16-bit float and another (a .to(), autocast's casts), by count, bytes read
+    and written, and self time; ORT's: its Cast nodes between such types, the first runs left out."""
     import torch
 
     from ortflow.report.profile import ort_conversions, torch_conversions
@@ -311,6 +311,7 @@ def test_dtype_conversions_are_counted_wherever_they_run_and_copies_that_keep_th
             x.to(torch.bfloat16).to(torch.float32)  # two conversions of 100,000 values a step
             x.clone()  # a copy that keeps the dtype
             x.to(torch.int64)  # not between floats
+            x.to(torch.float64)  # between floats, but no 16-bit one: a scalar's float64 step count, say
     got = torch_conversions(prof, steps=2)
     assert got["count"] == 2 and got["mb"] == pytest.approx(2 * 100_000 * (4 + 2) / 1e6) and got["ms"] > 0
 
@@ -321,6 +322,7 @@ def test_dtype_conversions_are_counted_wherever_they_run_and_copies_that_keep_th
     trace = [cast("to_bf16", "float", "bfloat16", ts) for ts in range(3)]
     trace += [cast("to_int", "float", "int64", ts) for ts in range(3)]
     trace += [cast("same", "float", "float", ts) for ts in range(3)]
+    trace += [cast("wide", "float", "double", ts) for ts in range(3)]
     (tmp_path / "ort_profile_1.json").write_text(json.dumps(trace))
     assert ort_conversions(tmp_path, skip_runs=1, steps=2) == {"count": 1.0, "mb": 200 * 6 / 1e6, "ms": 0.1}
 
