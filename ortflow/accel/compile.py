@@ -178,6 +178,7 @@ class CompiledEngine(EagerEngine):
             "compiled_runs": self.backend.runs,
             "graphs_compiled": self.backend.graphs,
             "compile_s": round(self.backend.compile_s, 3),
+            "first_step_s": round(self.first_step_s, 3) if self.first_step_s is not None else None,
             "graph_breaks": breaks,
             "fullgraph": self.fullgraph,
             "inductor_cache": str(self.cache),
