@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ortflow import accel, distributed
-from tests.conftest import USER_ENV, custom_model, make_cfg, run_cli, start_cli
+from tests.conftest import COMPILE_REFUSED, USER_ENV, custom_model, make_cfg, run_cli, start_cli
 
 # dropout=0 and a constant LR: the 1-process and 2-process runs then compute the same thing in another order.
 SMALL = [
@@ -304,8 +304,9 @@ def test_under_ddp_rank_0_probes_for_accel_auto_and_every_rank_trains_with_its_c
     assert result.returncode == 0, result.stderr[-3000:]
     info = record(tmp_path / "run")["engine"]
     choice = info["auto"]["choice"]
-    assert choice["precision"] == "bf16-mixed" and choice["accel"] in ("none", "ortmodule", "compile")
-    assert {p["engine"] for p in info["auto"]["probes"]} == {"none", "ortmodule", "compile"}  # artifacts: no DDP
+    candidates = {"none", "ortmodule"} | ({"compile"} if COMPILE_REFUSED is None else set())  # artifacts: no DDP
+    assert choice["precision"] == "bf16-mixed" and choice["accel"] in candidates
+    assert {p["engine"] for p in info["auto"]["probes"]} == candidates
     executed = {"none": "pytorch", "ortmodule": "onnxruntime", "compile": "inductor"}[choice["accel"]]
     assert info["ranks_executed_by"] == [executed, executed] and info["replicas_identical"]
     assert result.stdout.count("accel=auto chose") + result.stderr.count("accel=auto chose") == 1  # one probe

@@ -29,7 +29,7 @@ from ortflow.accel.compat import inductor
 from ortflow.accel.engine import EngineContext
 from ortflow.accel.none import EagerEngine, debug_problems
 from ortflow.config import BF16
-from ortflow.errors import ModelError, OrtflowError
+from ortflow.errors import ConfigError, ModelError, OrtflowError
 from ortflow.model import hooks
 from ortflow.step.batch import Inputs
 from ortflow.step.loss import EvalResult
@@ -79,6 +79,8 @@ class Settings:
 
 def problems(cfg: DictConfig) -> list[str]:
     found = debug_problems(cfg, NAME)
+    if (unverified := inductor.unverified_torch()) is not None:
+        found.append(unverified)
     if inductor.cxx_compiler() is None:
         found.append(
             "accel=compile: torch.compile's inductor backend generates C++ kernels on the CPU and needs a C++ compiler "
@@ -114,6 +116,8 @@ class CompiledEngine(EagerEngine):
     name = NAME
 
     def __init__(self, ctx: EngineContext, settings: Settings) -> None:
+        if (unverified := inductor.unverified_torch()) is not None:
+            raise ConfigError(unverified)
         accel.refuse_unrun(ctx.model, ctx.example[0], NAME)  # module backward hooks, state a forward changes
         self.cache = inductor.use_cache_folder()
         inductor.reset()  # this engine's model compiles afresh (another engine in this process may have compiled)

@@ -16,7 +16,7 @@ from ortflow.accel import compile as compiled
 from ortflow.accel.compat import inductor
 from ortflow.accel.engine import EngineContext
 from ortflow.config import BF16, DebugConfig
-from ortflow.errors import ModelError, OrtflowError
+from ortflow.errors import ConfigError, ModelError, OrtflowError
 from ortflow.model.freeze import freeze
 from tests.accel.test_vision_engines import STATS_ATOL, conv_bn, images, make_engine, optim
 from tests.conftest import make_cfg
@@ -118,3 +118,16 @@ def test_inductors_cache_lives_in_ortflows_cache(monkeypatch, tmp_path):
     assert inductor.cache_folder() == tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's own setting wins
     assert inductor.cache_folder() == tmp_path / "mine"
+
+
+def test_accel_compile_is_refused_on_a_torch_outside_its_verified_range(monkeypatch, tmp_path):
+    """On torch 2.6 torch.compile trained a causal transformer with gradients 0.2% off eager's: accel=compile is
+    offered where its tests hold it to eager (from inductor.VERIFIED_FROM), refused below in one paragraph, both by
+    the config's check and by the engine itself. (On the range leg with torch 2.6 this is what runs of its tests.)"""
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cpu")
+    found = compiled.problems(make_cfg("accel=compile"))
+    assert any("torch 2.6.0+cpu's torch.compile does not train every model" in f for f in found), found
+    with pytest.raises(ConfigError, match=r"offers it from torch 2\.14 on"):
+        make_engine("compile", conv_bn(), images(1)[0], tmp_path)
+    monkeypatch.setattr(torch, "__version__", "2.14.1")
+    assert inductor.unverified_torch() is None
