@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ortflow.run.runner import train
-from tests.conftest import make_cfg
+from tests.conftest import COMPILE_REFUSED, make_cfg
 
 MODES = ["none", "ortmodule", "artifacts", "compile"]
 DIGITS = [
@@ -49,7 +49,7 @@ def test_accumulating_n_batches_equals_one_step_on_a_batch_n_times_larger(mode, 
 
 def test_the_gradient_norm_is_the_same_in_every_mode_and_is_taken_before_clipping(tmp_path):
     norms = {}
-    for mode in MODES:
+    for mode in [m for m in MODES if not (m == "compile" and COMPILE_REFUSED)]:  # refused below its verified torch
         # SGD: each step is linear in the gradient, so the modes' rounding differences do not grow (AdamW divides by
         # the gradient's own scale, which magnifies them on the components with gradients near 0).
         sgd = ["optim=sgd", "optim.weight_decay=0", "optim.lr=0.1"]
@@ -58,7 +58,8 @@ def test_the_gradient_norm_is_the_same_in_every_mode_and_is_taken_before_clippin
     assert all(n > 0.01 for n in norms["none"])  # above the clip: the logged norm is the unclipped one
     np.testing.assert_allclose(norms["ortmodule"], norms["none"], rtol=1e-4)
     np.testing.assert_allclose(norms["artifacts"], norms["none"], rtol=1e-4)
-    np.testing.assert_allclose(norms["compile"], norms["none"], rtol=1e-4)
+    if "compile" in norms:
+        np.testing.assert_allclose(norms["compile"], norms["none"], rtol=1e-4)
 
 
 @pytest.mark.parametrize("mode", MODES)
