@@ -9,7 +9,9 @@ time is ORT's, so they are left out of torch's total.
 """
 
 import json
+import math
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,23 +28,27 @@ def _rows(totals_us: dict[str, float], calls: dict[str, int], steps: int) -> lis
     return sorted(rows, key=lambda r: r["ms_per_step"], reverse=True)
 
 
-def ort_ops(profile_dir: Path, skip_runs: int, steps: int) -> list[OpRow]:
-    """ORT's kernel time per step by operator type, from every session profile in `profile_dir`.
-
-    Each graph node runs once per step; its first `skip_runs` runs (the first step and the warm-up) are left out,
-    so the rest are the `steps` profiled ones."""
-    totals: dict[str, float] = defaultdict(float)
-    calls: dict[str, int] = defaultdict(int)
+def _node_runs(profile_dir: Path, skip_runs: int) -> Iterator[dict[str, Any]]:
+    """Every graph node's runs in every session profile in `profile_dir`, its first `skip_runs` runs left out (the
+    first step and the warm-up): each node runs once per step, so the rest are the profiled steps'."""
     for path in sorted(profile_dir.glob("*.json")):
         runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for event in json.loads(path.read_text()):
             if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
                 runs[event["name"]].append(event)
         for events in runs.values():
-            for event in sorted(events, key=lambda e: e["ts"])[skip_runs:]:
-                op = event.get("args", {}).get("op_name", "?")
-                totals[op] += event["dur"]
-                calls[op] += 1
+            yield from sorted(events, key=lambda e: e["ts"])[skip_runs:]
+
+
+def ort_ops(profile_dir: Path, skip_runs: int, steps: int) -> list[OpRow]:
+    """ORT's kernel time per step by operator type, from every session profile in `profile_dir` over the `steps`
+    profiled steps (_node_runs)."""
+    totals: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for event in _node_runs(profile_dir, skip_runs):
+        op = event.get("args", {}).get("op_name", "?")
+        totals[op] += event["dur"]
+        calls[op] += 1
     return _rows(totals, calls, steps)
 
 
@@ -83,13 +89,6 @@ def _conversions(count: int, nbytes: float, us: float, steps: int) -> Conversion
     return {"count": count / steps, "mb": nbytes / steps / 1e6, "ms": us / steps / 1000}
 
 
-def _numel(shape: list[int]) -> int:
-    size = 1
-    for dim in shape:
-        size *= int(dim)
-    return size
-
-
 def torch_conversions(profiler: torch.profiler.profile, steps: int) -> Conversions:
     """torch's dtype conversions per step: every `aten::copy_` between a 16-bit float and another float (what
     `.to(dtype)`, autocast's casts and a kernel's own casts run), counted wherever it ran (eager's step, torch-kernel
@@ -103,7 +102,7 @@ def torch_conversions(profiler: torch.profiler.profile, steps: int) -> Conversio
         if len(dtypes) < 2 or len(shapes) < 1 or not _is_conversion(dtypes[0], dtypes[1], _TORCH_FLOATS):
             continue
         count += 1
-        nbytes += _numel(shapes[0]) * (_TORCH_FLOATS[dtypes[0]] + _TORCH_FLOATS[dtypes[1]])
+        nbytes += math.prod(shapes[0]) * (_TORCH_FLOATS[dtypes[0]] + _TORCH_FLOATS[dtypes[1]])
         us += event.self_cpu_time_total
     return _conversions(count, nbytes, us, steps)
 
@@ -112,32 +111,24 @@ def _type_and_size(spec: list[dict[str, list[int]]]) -> tuple[str | None, int]:
     if not spec:
         return None, 0
     ((name, shape),) = spec[0].items()
-    return name, _numel(shape)
+    return name, math.prod(shape)
 
 
 def ort_conversions(profile_dir: Path, skip_runs: int, steps: int) -> Conversions:
     """ORT's dtype conversions per step: its Cast nodes between a 16-bit float and another float, over the profiled
-    runs (the first `skip_runs` runs of each node left out, as in ort_ops)."""
+    runs (_node_runs, as in ort_ops)."""
     count, nbytes, us = 0, 0.0, 0.0
-    for path in sorted(profile_dir.glob("*.json")):
-        runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for event in json.loads(path.read_text()):
-            args = event.get("args", {})
-            if (
-                event.get("cat") == "Node"
-                and event.get("name", "").endswith("_kernel_time")
-                and args.get("op_name") == "Cast"
-            ):
-                runs[event["name"]].append(event)
-        for events in runs.values():
-            for event in sorted(events, key=lambda e: e["ts"])[skip_runs:]:
-                source, size = _type_and_size(event["args"].get("input_type_shape", []))
-                target, _ = _type_and_size(event["args"].get("output_type_shape", []))
-                if not _is_conversion(source, target, _ORT_FLOATS):
-                    continue
-                count += 1
-                nbytes += size * (_ORT_FLOATS[source] + _ORT_FLOATS[target])
-                us += event["dur"]
+    for event in _node_runs(profile_dir, skip_runs):
+        args = event.get("args", {})
+        if args.get("op_name") != "Cast":
+            continue
+        source, size = _type_and_size(args.get("input_type_shape", []))
+        target, _ = _type_and_size(args.get("output_type_shape", []))
+        if not _is_conversion(source, target, _ORT_FLOATS):
+            continue
+        count += 1
+        nbytes += size * (_ORT_FLOATS[source] + _ORT_FLOATS[target])
+        us += event["dur"]
     return _conversions(count, nbytes, us, steps)
 
 
