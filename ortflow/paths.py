@@ -1,5 +1,6 @@
 """Where the config tree is: inside the package in a wheel, at the repository top in a checkout."""
 
+import os
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent
@@ -19,3 +20,12 @@ def config_dir() -> Path:
         if (candidate / "config.yaml").is_file():
             return candidate
     raise FileNotFoundError(f"ortflow's config tree was not found in {_PACKAGE / 'conf'} or {_PACKAGE.parent / 'conf'}")
+
+
+def ortflow_cache() -> Path:
+    """ortflow's per-machine cache (the built extensions, inductor's kernels): `$ORTFLOW_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/ortflow`, else `~/.cache/ortflow`."""
+    if base := os.environ.get("ORTFLOW_CACHE_DIR"):
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "ortflow"

@@ -31,6 +31,7 @@ import torch
 
 from ortflow.accel.compat import cpp_patches
 from ortflow.errors import OrtflowError
+from ortflow.paths import ortflow_cache
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,7 @@ def extensions_dir() -> Path:
 
 def cache_root() -> Path:
     """The per-machine folder of built extensions (one subfolder per build key)."""
-    base = os.environ.get("ORTFLOW_CACHE_DIR")
-    if base:
-        return Path(base) / "extensions"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "ortflow" / "extensions"
+    return ortflow_cache() / "extensions"
 
 
 def _libraries(directory: Path) -> list[Path]:

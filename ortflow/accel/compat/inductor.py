@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ortflow.paths import ortflow_cache
+
 
 def cache_folder() -> Path:
     """Inductor's caches (its FX graph cache and the C++ kernels it builds) under ortflow's cache, as the extensions
@@ -20,11 +22,7 @@ def cache_folder() -> Path:
     A TORCHINDUCTOR_CACHE_DIR the user set wins."""
     if given := os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         return Path(given)
-    base = os.environ.get("ORTFLOW_CACHE_DIR")
-    if base:
-        return Path(base) / "inductor"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "ortflow" / "inductor"
+    return ortflow_cache() / "inductor"
 
 
 def use_cache_folder() -> Path:
