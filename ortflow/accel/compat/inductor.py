@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ortflow.accel.compat.torch_patches import major_minor
 from ortflow.paths import ortflow_cache
 
 
@@ -98,12 +99,8 @@ VERIFIED_FROM = (2, 14)
 
 def unverified_torch() -> str | None:
     """Why accel=compile is refused on the installed torch (None: it is not)."""
-    parts = torch.__version__.split("+")[0].split(".")
-    try:
-        version = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        return None
-    if version >= VERIFIED_FROM:
+    version = major_minor(torch.__version__)
+    if version == (0, 0) or version >= VERIFIED_FROM:  # (0, 0): a version it cannot read, left to torch
         return None
     return (
         f"accel=compile: torch {torch.__version__}'s torch.compile does not train every model as eager PyTorch does "
