@@ -62,6 +62,7 @@ import numpy as np
 from ortflow.check import update
 from ortflow.config import BF16, FP32, OptimConfig
 from ortflow.errors import OrtflowError
+from ortflow.model.one_ulp import relative
 
 MARGIN = 10.0  # an engine's step 1 may move things by MARGIN x what one ulp of the weights moves them in eager
 LOSS_MARGIN = 30.0  # its loss curve, LOSS_MARGIN x the band
@@ -76,17 +77,6 @@ NOISE_SEEDS = (0, 1, 2)
 # doubled or lost).
 JUDGEABLE = {FP32: 0.01, BF16: 1.0}
 CANNOT_JUDGE = "cannot judge"  # the verdict where it cannot (blind_spot); --strict fails on it unless accepted
-
-
-def relative(got: np.ndarray, want: np.ndarray) -> float:
-    """||got - want|| / ||want|| in float64 (0 when both are 0, inf when only `want` is)."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if got.shape != want.shape:
-        return math.inf
-    diff, norm = float(np.linalg.norm(got - want)), float(np.linalg.norm(want))
-    if norm > 0:
-        return diff / norm
-    return 0.0 if diff == 0 else math.inf
 
 
 def _spreads(want: dict[str, np.ndarray], runs: list[dict[str, np.ndarray]]) -> dict[str, float]:

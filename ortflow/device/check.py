@@ -33,6 +33,7 @@ import numpy as np
 from ortflow.device import torch_free
 from ortflow.device.reference import Reference
 from ortflow.errors import OrtflowError
+from ortflow.model.one_ulp import relative
 
 TOLERANCE = 1e-5  # losses, relative (the floor of the later steps' band)
 PARAMETER_TOLERANCE = 1e-4  # parameters, relative to the largest: Adam moves near-zero-gradient weights by ~lr on noise
@@ -111,15 +112,6 @@ def _relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def relative_l2(got: np.ndarray, want: np.ndarray) -> float:
-    """||got - want|| / ||want|| in float64 (0 when both are 0, inf when only `want` is, or the shapes differ)."""
-    got, want = np.asarray(got, np.float64).reshape(-1), np.asarray(want, np.float64).reshape(-1)
-    if got.shape != want.shape:
-        return float("inf")
-    diff, norm = float(np.linalg.norm(got - want)), float(np.linalg.norm(want))
-    return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
-
-
 def _moved(after: dict[str, np.ndarray], before: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: np.asarray(after[name], np.float64) - before[name] for name in before if name in after}
 
@@ -143,6 +135,7 @@ class Envelope:
     @classmethod
     def measure(cls, eager: Reference, runs: list[Reference]) -> "Envelope":
         moved = _moved(eager.first.statistics, eager.initial_statistics)
+        runs_moved = [_moved(r.first.statistics, eager.initial_statistics) for r in runs]  # each run's, once
         scale = max((float(np.abs(v).max()) for v in eager.parameters.values()), default=1.0)
         band, worst = [], 0.0
         for step, want in enumerate(eager.losses):
@@ -150,13 +143,10 @@ class Envelope:
             band.append(worst)
         return cls(
             gradients={
-                n: max(relative_l2(r.first.gradients.get(n, np.inf), g) for r in runs)
+                n: max(relative(r.first.gradients.get(n, np.inf), g) for r in runs)
                 for n, g in eager.first.gradients.items()
             },
-            statistics={
-                n: max(relative_l2(_moved(r.first.statistics, eager.initial_statistics)[n], m) for r in runs)
-                for n, m in moved.items()
-            },
+            statistics={n: max(relative(r_moved[n], m) for r_moved in runs_moved) for n, m in moved.items()},
             band=band,
             eval_band=max(_relative(r.eval_loss, eager.eval_loss) for r in runs),
             parameters=max(_largest_difference(r.parameters, eager.parameters) for r in runs) / max(scale, 1e-12),
@@ -245,10 +235,9 @@ def _first_step(
     if device.first_gradients is None or device.first_parameters is None:
         verdict.failures.append("the torch-free run wrote no first-step gradients or parameters")
         return
-    grads = _by_name(tensors, device.first_gradients, trainable=True)
+    grads = device_gradients(device, tensors)
     diffs = {
-        n: (relative_l2(grads.get(n, np.inf), g), envelope.gradient_tolerance(n))
-        for n, g in eager.first.gradients.items()
+        n: (relative(grads.get(n, np.inf), g), envelope.gradient_tolerance(n)) for n, g in eager.first.gradients.items()
     }
     if diffs:
         name, diff, tol = _worst(diffs)
@@ -261,7 +250,7 @@ def _first_step(
             )
     after = _by_name(tensors, device.first_parameters, trainable=False)
     before, replayed = replay
-    diff = relative_l2(
+    diff = relative(
         np.concatenate([np.asarray(after[n], np.float64).reshape(-1) - before[n].reshape(-1) for n in replayed]),
         np.concatenate([(replayed[n] - before[n]).reshape(-1) for n in replayed]),
     ) if replayed else 0.0  # fmt: skip
@@ -275,7 +264,7 @@ def _first_step(
     moved = _moved(eager.first.statistics, eager.initial_statistics)
     if moved:
         got = _moved({n: after[n] for n in moved if n in after}, eager.initial_statistics)
-        diffs = {n: (relative_l2(got.get(n, np.inf), m), envelope.statistics_tolerance(n)) for n, m in moved.items()}
+        diffs = {n: (relative(got.get(n, np.inf), m), envelope.statistics_tolerance(n)) for n, m in moved.items()}
         name, diff, tol = _worst(diffs)
         worst = f"worst '{name}' {diff:.1e} rel (tolerance {tol:.1e})"
         verdict.rows.append(("step 1 BatchNorm update", "ORT kernel", "torch, biased var", worst))
@@ -313,11 +302,11 @@ def compare(
         verdict.failures.append(f"the eval loss differs by {diff:.2e} (relative), over {tol:.2g}")
     after = _by_name(tensors, device.parameters, trainable=False)
     scale = max((float(np.abs(v).max()) for v in reference.parameters.values()), default=1.0)
-    relative = _largest_difference(after, reference.parameters) / max(scale, 1e-12)
+    moved = _largest_difference(after, reference.parameters) / max(scale, 1e-12)
     tol = max(PARAMETER_TOLERANCE, MARGIN * envelope.parameters)
-    verdict.rows.append(("parameters after", "", "", f"{relative:.1e} rel to the largest (tol {tol:.0e})"))
-    if not relative <= tol:
-        verdict.failures.append(f"the parameters differ by {relative:.2e} (relative), over {tol:.2g}")
+    verdict.rows.append(("parameters after", "", "", f"{moved:.1e} rel to the largest (tol {tol:.0e})"))
+    if not moved <= tol:
+        verdict.failures.append(f"the parameters differ by {moved:.2e} (relative), over {tol:.2g}")
     if reference.running_mean:
         statistics = {n: after[f"{n}.running_mean"] for n in reference.running_mean if f"{n}.running_mean" in after}
         bn_mean = _largest_difference(statistics, reference.running_mean)

@@ -1,8 +1,10 @@
-"""A model moved by one ulp: how far eager PyTorch's own results move when nothing changes but rounding. ortflow-check
-(check/parity.py) and the device export's check (device/check.py) hold an engine or a set to that noise."""
+"""A model moved by one ulp: how far eager PyTorch's own results move when nothing changes but rounding, and the
+distance both measure it by. ortflow-check (check/parity.py) and the device export's check (device/check.py) hold an
+engine or a set to that noise."""
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,3 +25,14 @@ def perturbed(model: nn.Module, seed: int, precision: torch.dtype = torch.float3
                     step = torch.nextafter(rounded, direction).to(parameter.dtype) - rounded.to(parameter.dtype)
                     parameter.add_(step)
     return model
+
+
+def relative(got: np.ndarray, want: np.ndarray) -> float:
+    """||got - want|| / ||want|| in float64 (0 when both are 0, inf when only `want` is)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return math.inf
+    diff, norm = float(np.linalg.norm(got - want)), float(np.linalg.norm(want))
+    if norm > 0:
+        return diff / norm
+    return 0.0 if diff == 0 else math.inf
