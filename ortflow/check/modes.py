@@ -177,7 +177,7 @@ def _noise_runs(settings: list[str], steps: int, precision: str, skip: int = 0) 
     """Eager again from weights moved by one ulp of the precision it computes in (bf16's with bf16-mixed)."""
     dtype = torch.bfloat16 if precision == BF16 else torch.float32
     runs = []
-    for seed in parity.NOISE_SEEDS:
+    for seed in one_ulp.NOISE_SEEDS:
         moved = lambda cfg, data, seed=seed: one_ulp.perturbed(fresh_model(cfg, data), seed, dtype)  # noqa: E731
         runs.append(try_mode("none", settings, steps, moved, skip=skip))
     return runs

@@ -70,7 +70,6 @@ GRADIENT_FLOOR = 1e-5  # relative, per parameter: fp32 rounding of a gradient th
 BUFFER_FLOOR = 1e-5  # relative, per buffer
 LOSS_FLOOR = 1e-5  # relative, per step
 NOISY = 0.1  # a parameter (buffer) whose step-1 gradient (value) one ulp of the weights moves by more: rounding noise
-NOISE_SEEDS = (0, 1, 2)
 # A row shows "within" only where the check sees a step-1 gradient error this small: 1% in fp32. In bf16-mixed one bf16
 # ulp (2^-8) of the weights already moves a small layer's gradient by several percent (7% on a digits MLP's bias), so
 # the check sees errors from about 10x that: there the verdict waits for a check blind to a 100% error (a gradient

@@ -194,7 +194,6 @@ class Envelope:
             "eval_band": self.eval_band,
             "parameters": self.parameters,
             "final_statistics": self.final_statistics,
-            "detects": self.detects(),
         }
 
 

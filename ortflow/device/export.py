@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 CHECK_FOLDER, NO_DROPOUT = "check", "no_dropout"
-NOISE_SEEDS = (0, 1, 2)  # eager from one-ulp weights, three times: the noise the check holds the set to
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,8 @@ def _export(
     lr_in_graph = reference.float32_lr(shipped.learning_rate_scale, portable.RUNTIME_LR)
     steps = (layout, batch, objective, optim, lr_in_graph, grad_clip, request.steps)
     eager = reference.eager_steps(quiet, *steps)
-    noise = [reference.eager_steps(one_ulp.perturbed(copy.deepcopy(quiet), seed), *steps) for seed in NOISE_SEEDS]
+    seeds = one_ulp.NOISE_SEEDS
+    noise = [reference.eager_steps(one_ulp.perturbed(copy.deepcopy(quiet), seed), *steps) for seed in seeds]
     envelope = check.Envelope.measure(eager, noise)
     results = out / CHECK_FOLDER
     results.mkdir(exist_ok=True)
@@ -184,7 +184,7 @@ def _export(
         "losses_eager": eager.losses,
         "set": str(check_set.folder.relative_to(out)) if check_set is not shipped else ".",
         "eager_noise": envelope.record(),
-        "detects": envelope.detects(),
+        "detects": envelope.detects(),  # (the smallest errors it catches; eager_noise holds what sets them)
         "tolerances": {
             "loss_step1": check.TOLERANCE,
             "later_losses": f"max({check.TOLERANCE:g}, {check.LOSS_MARGIN:g} x eager's band at the step)",

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
+NOISE_SEEDS = (0, 1, 2)  # eager's own noise: three runs, each from the weights moved by one ulp with one of these
+
 
 def perturbed(model: nn.Module, seed: int, precision: torch.dtype = torch.float32) -> nn.Module:
     """`model` with every floating-point parameter moved by one ulp of `precision` (the weights' own dtype, or

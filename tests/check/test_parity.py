@@ -262,7 +262,7 @@ def test_check_gives_each_engine_a_verdict_and_states_what_it_can_see(monkeypatc
     monkeypatch.syspath_prepend(str(REPO))
     report = check(MLP, 3, ["none", "ortmodule", "artifacts"])
     envelope = report["envelopes"]["fp32"]
-    assert envelope["seeds"] == len(parity.NOISE_SEEDS) and len(envelope["loss_band"]) == 3
+    assert envelope["seeds"] == len(one_ulp.NOISE_SEEDS) and len(envelope["loss_band"]) == 3
     detectable = envelope["detectable"]["gradient"]
     assert parity.GRADIENT_FLOOR <= detectable["error"] < 1e-4 and detectable["rounding_noise"] == []
     # a parameter's tolerance over the floor names it; at the floor, none does
