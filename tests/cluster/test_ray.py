@@ -7,6 +7,7 @@ trials two at a time, pruning through the study's storage."""
 
 import csv
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -70,19 +71,24 @@ def sweep(cluster: RayCluster, cwd: Path, *args: str) -> subprocess.Popen:
 
 
 def kill_when_training(cluster: RayCluster, job_dir: Path, node_id: str, killed: list[int]) -> threading.Thread:
-    """Kill node `node_id`'s raylet once the job in `job_dir` runs there and has written a checkpoint."""
+    """Kill node `node_id` once the job in `job_dir` runs there and has written a checkpoint, as a machine dies: the
+    job's worker is frozen at once (a small job would otherwise finish its last steps, and hand its result to the
+    driver, while the dead raylet's worker is still winding down), then the raylet and the worker are killed."""
 
     def watch() -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             try:
-                placed = record(job_dir).get("placement", {}).get("node_id")
+                placement = record(job_dir).get("placement", {})
             except (OSError, ValueError):
-                placed = None
-            if placed == node_id and any((job_dir / "checkpoints").glob("step-*.pt")):
-                pid = cluster.raylet_pid(node_id)
-                killed.append(pid)
-                subprocess.run(["kill", "-KILL", str(pid)], check=True)
+                placement = {}
+            if placement.get("node_id") == node_id and any((job_dir / "checkpoints").glob("step-*.pt")):
+                worker = placement["pid"]
+                os.kill(worker, signal.SIGSTOP)
+                raylet = cluster.raylet_pid(node_id)
+                killed.append(raylet)
+                os.kill(raylet, signal.SIGKILL)
+                os.kill(worker, signal.SIGKILL)
                 return
             time.sleep(0.1)
 
