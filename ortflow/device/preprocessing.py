@@ -21,7 +21,7 @@ def describe(data_cfg: DictConfig, data: Data) -> tuple[dict[str, Any], dict[str
     if target == TEXT:
         return _text(data_cfg, data)
     if target in IMAGES:
-        return _images(data_cfg), {}
+        return {**_images(data_cfg), "classes": class_names(target, data_cfg)}, {}
     if target == DIGITS:
         return {
             "kind": "table",
@@ -62,6 +62,17 @@ def _text(data_cfg: DictConfig, data: Data) -> tuple[dict[str, Any], dict[str, b
         "input": "int64 token ids (batch, block_size): windows of block_size tokens",
         "targets": "int64 (batch, block_size): each position's next token (the window shifted by one)",
     }, files
+
+
+def class_names(target: str, data_cfg: DictConfig) -> list[str]:
+    """The class names in class-id order: the embedded shapes', or the image folder's train/ subfolders (sorted)."""
+    if target == IMAGES[0]:
+        from ortflow.data.images import shapes
+
+        return list(shapes.CLASSES)
+    from ortflow.data.images import folder
+
+    return folder.class_names(data_cfg.root)
 
 
 def _images(data_cfg: DictConfig) -> dict[str, Any]:

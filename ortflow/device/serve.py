@@ -2,12 +2,16 @@
 `python -m ortflow.device.serve DIR`. Standard library only.
 
 onnxruntime-web needs the `.mjs` and `.wasm` MIME types, and its threads need cross-origin isolation (the COOP and
-COEP headers; without them it trains on one thread, to the same losses). Serves 127.0.0.1 unless told otherwise.
+COEP headers; without them it trains on one thread, to the same losses). A folder asked for with `?list` answers
+with its files (relative paths, sorted) as JSON: how the page reads a folder of images named by its `data=` URL
+parameter. Serves 127.0.0.1 unless told otherwise.
 """
 
 import argparse
 import functools
 import http.server
+import json
+import urllib.parse
 from pathlib import Path
 from typing import ClassVar
 
@@ -27,14 +31,33 @@ class Handler(http.server.SimpleHTTPRequestHandler):
             self.send_header(key, value)
         super().end_headers()
 
+    def do_GET(self) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        folder = Path(self.translate_path(url.path))
+        if url.query != "list" or not folder.is_dir():
+            return super().do_GET()
+        files = sorted(
+            p.relative_to(folder).as_posix()
+            for p in folder.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        )
+        body = json.dumps(files).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        return None
+
     def log_message(self, format: str, *args: object) -> None:
         pass
 
 
-def make_server(root: Path, host: str = "127.0.0.1", port: int = 8000) -> http.server.ThreadingHTTPServer:
+def make_server(
+    root: Path, host: str = "127.0.0.1", port: int = 8000, handler: type[Handler] = Handler
+) -> http.server.ThreadingHTTPServer:
     """A server of `root` (port 0: any free port; its address is `server.server_address`)."""
-    handler = functools.partial(Handler, directory=str(root))
-    return http.server.ThreadingHTTPServer((host, port), handler)
+    return http.server.ThreadingHTTPServer((host, port), functools.partial(handler, directory=str(root)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,7 @@ from ortflow.device import portable, serve
 from ortflow.errors import OrtflowError
 
 ASSETS = Path(__file__).resolve().parent / "web"
-PAGE_FILES = ("index.html", "train.js")
+PAGE_FILES = ("index.html", "page.js", "ortflow-device.js")
 FOLDER, ORT_FOLDER = "web", "ort"
 CACHE_ENV = "ORTFLOW_ORT_WEB_CACHE"  # where the vendored files are kept (default ~/.cache/ortflow/...)
 

@@ -3,11 +3,8 @@ training build), the way back to a torch state_dict, BatchNorm's statistics on a
 precision's run exported. Run by `make test-device` (conftest.py)."""
 
 import base64
-import html
 import json
 import re
-import subprocess
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +14,13 @@ import torch
 
 import ortflow
 from ortflow.cli import export_artifacts, import_artifacts
-from ortflow.device import artifact_set, check, export, graphs, reference, serve, web
+from ortflow.device import artifact_set, check, export, graphs, reference, web
 from ortflow.run.reload import rebuild
 from ortflow.step import loss as losses
 from ortflow.step.batch import layout_of
 from tests.conftest import TINY
-from tests.device.conftest import BROWSER, require
+from tests.device import page as browser
+from tests.device.conftest import require
 
 pytestmark = pytest.mark.device
 
@@ -56,7 +54,7 @@ def _export(run_dir: Path, *args: str) -> dict:
     return json.loads((out / export.MANIFEST).read_text())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def exported(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     """Each recipe trained 3 steps (accel=none, fp32) and exported at LR, with the browser page where npm or the
     cache gives onnxruntime-web."""
@@ -115,19 +113,6 @@ def test_the_set_is_portable_and_trains_as_eager_does_without_torch(exported, na
     assert result["runtime_start_lr"] == pytest.approx(1e-3)  # the runtime's own rate; the set scales it
 
 
-def _chromium(url: str, profile: Path) -> dict:
-    command = [
-        require(BROWSER, "the browser tests drive the page in headless Chromium"),
-        "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
-        "--virtual-time-budget=120000", "--dump-dom", url,
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    found = re.search(r'<pre id="result">(.*?)</pre>', done.stdout, re.S)
-    assert found and found.group(1), f"the page wrote no result: {done.stderr[-1500:]}"
-    return json.loads(html.unescape(found.group(1)))
-
-
 @pytest.mark.browser
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_the_browser_trains_as_the_torch_free_path_and_its_parameters_come_back(exported, name, tmp_path):
@@ -135,16 +120,10 @@ def test_the_browser_trains_as_the_torch_free_path_and_its_parameters_come_back(
     run_dir, manifest = exported[name]
     folder = run_dir / export_artifacts.FOLDER
     check_set = folder / manifest["check"]["set"]
-    server = serve.make_server(folder, port=0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        port = server.server_address[1]
-        steps = manifest["check"]["steps"]
-        url = f"http://127.0.0.1:{port}/web/index.html?autorun&dump&steps={steps}&set=../{manifest['check']['set']}"
-        page = _chromium(url, tmp_path / "profile")
-    finally:
-        server.shutdown()
-        server.server_close()
+    steps = manifest["check"]["steps"]
+    page = browser.run(
+        folder, tmp_path / "profile", autorun=None, dump=None, steps=steps, set=f"../{manifest['check']['set']}"
+    )
     assert page["status"] == "done" and page["onnxruntimeWeb"] == "1.19.2", page.get("error")
     for got, want in zip(page["losses"], manifest["check"]["losses_without_torch"], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (page["losses"], manifest["check"]["losses_without_torch"])

@@ -65,6 +65,12 @@ def _class_folders(folder: Path, root: Path) -> list[str]:
     return classes
 
 
+def class_names(root: str | Path) -> list[str]:
+    """The class names of an image folder in class-id order (train/'s subfolders, sorted)."""
+    folder = Path(root).expanduser()
+    return _class_folders(folder / "train", folder)
+
+
 def _scan(root: Path, split: str, class_ids: dict[str, int], classes: list[str]) -> Split:
     """Every image file under root/split/<class>/, in a fixed order."""
     found = Split()

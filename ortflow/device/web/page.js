@@ -1,0 +1,201 @@
+// The page: trains the set on the person's own text file or folder of images (or, with nothing picked, the set's
+// example batch), plots the loss live, evaluates on a held-out part, shows what the model learned (a continuation
+// of a prompt, labels for images) and offers the trained parameters for ortflow-import-artifacts. Built on
+// ortflow-device.js. URL parameters (for a page opened with data served beside it, and for tests):
+//   set=FOLDER (the set, relative to this page; default "..")   data=FILE or data=FOLDER/ (served beside the page)
+//   steps=N   seed=N   prompt=TEXT   tokens=N   temperature=T   autorun (train at load)   dump (parameters in the result)
+//   report=URL (POST the result, as JSON, to URL when done or failed: how a test or a script reads it)
+import { DataError, openSet, scalar } from "./ortflow-device.js";
+
+const query = new URLSearchParams(location.search);
+const $ = (id) => document.getElementById(id);
+const seed = Number(query.get("seed") || 0);
+let set, data = null, example = null, trained = null, lastRun = {};
+
+function status(text, error = false) {
+  $("status").textContent = text;
+  $("status").className = error ? "error" : "";
+}
+
+function fail(error) {
+  const message = error instanceof DataError ? error.message : `error: ${error.message || error}`;
+  if (!(error instanceof DataError)) console.error(error.stack || error);
+  status(message, true);
+  report({ status: "error", error: String(error.message || error), kind: error instanceof DataError ? "data" : "internal" });
+  $("train").disabled = !set;
+}
+
+function draw(losses) {
+  const svg = $("curve"), w = 600, h = 220, pad = 30;
+  const lo = Math.min(...losses), hi = Math.max(...losses), span = hi - lo || 1;
+  const x = (i) => pad + (losses.length > 1 ? (i * (w - 2 * pad)) / (losses.length - 1) : 0);
+  const y = (v) => h - pad - ((v - lo) * (h - 2 * pad)) / span;
+  const points = losses.map((v, i) => `${x(i).toFixed(1)},${y(v).toFixed(1)}`).join(" ");
+  svg.innerHTML = `<polyline fill="none" stroke="#1565c0" stroke-width="2" points="${points}"/>` +
+    `<text x="${pad}" y="16" font-size="12">loss ${hi.toFixed(4)}</text>` +
+    `<text x="${pad}" y="${h - 8}" font-size="12">${lo.toFixed(4)} after ${losses.length} steps</text>`;
+}
+
+function base64(u8) {
+  let text = "";
+  for (let i = 0; i < u8.length; i += 0x8000) text += String.fromCharCode.apply(null, u8.subarray(i, i + 0x8000));
+  return btoa(text);
+}
+
+function escape(text) {
+  return text.replace(/[&<>]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;" })[c]);
+}
+
+// ---- data: picked by the person, or named by the URL --------------------------------------------------------------
+
+async function useText(bytes, name) {
+  data = set.textData(bytes);
+  const held = data.heldOut;
+  $("data-about").textContent = `${name}: ${held.bytes} bytes; training on the first ${held.fromByte}, ` +
+    `${held.windows} windows of ${set.prep.block_size} held out to evaluate.`;
+  if (!$("prompt").value) $("prompt").value = new TextDecoder().decode(bytes.subarray(held.fromByte, held.fromByte + 24));
+}
+
+async function useImages(files, name) {
+  status(`reading ${files.length} images...`);
+  data = await set.imageData(files);
+  const notes = [];
+  if (data.resized) notes.push(`${data.resized} resized from other sizes to ${set.prep.image_size}x${set.prep.image_size}`);
+  if (data.skipped.length) notes.push(`${data.skipped.length} unreadable left out (${data.skipped.slice(0, 3).join(", ")})`);
+  $("data-about").textContent = `${name}: ${data.train.length} images to train on, ${data.eval.length} held out; ` +
+    `labels ${data.classNames.join(", ")}${notes.length ? `; ${notes.join("; ")}` : ""}.`;
+}
+
+async function fromUrl(spec) {
+  const url = new URL(spec, location.href);
+  if (!spec.endsWith("/")) {
+    const response = await fetch(url);
+    if (!response.ok) throw new DataError(`data=${spec}: HTTP ${response.status}.`);
+    return useText(new Uint8Array(await response.arrayBuffer()), spec);
+  }
+  const listing = await fetch(new URL("?list", url));  // serve.py lists a folder's files as JSON
+  if (!listing.ok) throw new DataError(`data=${spec}: the folder cannot be listed (HTTP ${listing.status}).`);
+  const files = [];
+  for (const path of await listing.json()) {
+    const parts = path.split("/");
+    if (parts.length < 2) continue;  // a file beside the label folders
+    const response = await fetch(new URL(path, url));
+    files.push({ label: parts[parts.length - 2], name: path, blob: await response.blob() });
+  }
+  return useImages(files, spec);
+}
+
+$("text-file").onchange = async (event) => {
+  const file = event.target.files[0];
+  if (file) await useText(new Uint8Array(await file.arrayBuffer()), file.name).then(() => status("Ready.")).catch(fail);
+};
+$("image-folder").onchange = async (event) => {
+  const files = [...event.target.files].filter((f) => !f.name.startsWith("."))
+    .map((f) => ({ label: f.webkitRelativePath.split("/").slice(-2, -1)[0], name: f.webkitRelativePath, blob: f }));
+  await useImages(files, `${files.length} files`).then(() => status("Ready.")).catch(fail);
+};
+
+// ---- training, evaluation, what it learned ------------------------------------------------------------------------
+
+async function train(steps) {
+  $("train").disabled = true;
+  const losses = [], body = $("losses").tBodies[0];
+  body.innerHTML = "";
+  const batches = data ? set.trainingBatches(data.train, { seed }) : null;
+  for (let step = 1; step <= steps; step++) {
+    const loss = await set.trainStep(batches ? batches.next().value : example);
+    losses.push(loss);
+    body.insertAdjacentHTML("beforeend", `<tr><td>${step}</td><td>${loss.toFixed(7)}</td></tr>`);
+    draw(losses);
+    status(`step ${step}/${steps}: loss ${loss.toFixed(6)}`);
+    if (step % 10 === 0) await new Promise((r) => setTimeout(r));  // let the page draw
+  }
+  lastRun = { status: "done", mode: data ? set.kind : "example", losses };
+  if (data) {
+    const result = await set.evaluate(data.eval);
+    lastRun.eval = result;
+    lastRun.evalLoss = result.loss;
+    lastRun.heldOut = data.heldOut;
+    if (data.labels) Object.assign(lastRun, { labels: data.labels, skipped: data.skipped, resized: data.resized });
+    $("evaluation").textContent = `held out (${result.count} ${set.kind === "text" ? "tokens" : "images"}): loss ` +
+      `${result.loss.toFixed(5)}` + (result.accuracy === null ? "" : `, accuracy ${(100 * result.accuracy).toFixed(1)}%`);
+  } else {
+    lastRun.evalLoss = scalar(await set.session.runEvalStep(example));
+    $("evaluation").textContent = `eval loss on the example batch ${lastRun.evalLoss.toFixed(6)}`;
+  }
+  trained = await set.parameters();
+  status(`trained ${steps} steps.`);
+  $("download").disabled = $("train").disabled = false;
+  $("continue").disabled = $("classify-files").disabled = false;
+  if (data && set.kind === "text") await continuePrompt();
+  if (data && set.kind === "image") await classify(data.eval.map((s) => ({ name: s.name, blob: s.blob, truth: s.label })));
+  publish();
+}
+
+async function continuePrompt() {
+  const prompt = $("prompt").value;
+  status("continuing the prompt...");
+  const text = await set.continueText(prompt, { tokens: Number(query.get("tokens") || 120), seed,
+                                                temperature: Number($("temperature").value) });
+  $("continuation").innerHTML = `<b>${escape(prompt)}</b>${escape(text)}`;
+  lastRun.prompt = prompt;
+  lastRun.continuation = text;
+  status("Ready.");
+}
+
+async function classify(items) {
+  const found = await set.classify(items.map((i) => i.blob), data && data.labels);
+  const body = $("predictions").tBodies[0];
+  body.innerHTML = "";
+  lastRun.predictions = items.map((item, k) => ({ name: item.name, truth: item.truth ?? null, label: found[k].label,
+                                                  probability: found[k].probability }));
+  for (const p of lastRun.predictions) {
+    const image = URL.createObjectURL(items[lastRun.predictions.indexOf(p)].blob);
+    body.insertAdjacentHTML("beforeend", `<tr><td><img src="${image}" alt=""></td><td>${escape(p.name)}</td>` +
+      `<td><b>${escape(p.label)}</b> ${(100 * p.probability).toFixed(0)}%</td>` +
+      `<td class="muted">${p.truth === null ? "" : `(labelled ${escape(p.truth)})`}</td></tr>`);
+  }
+}
+
+function publish() {
+  const result = { ...lastRun, parameterCount: trained.length / 4, crossOriginIsolated,
+                   onnxruntimeWeb: ort.env.versions.web };
+  if (query.has("dump")) result.parameters = base64(trained);
+  report(result);
+}
+
+function report(result) {
+  $("result").textContent = JSON.stringify(result);
+  if (query.get("report")) fetch(query.get("report"), { method: "POST", body: JSON.stringify(result) });
+}
+
+$("train").onclick = () => train(Number($("steps").value)).catch(fail);
+$("continue").onclick = () => continuePrompt().then(publish).catch(fail);
+$("classify-files").onchange = (event) =>
+  classify([...event.target.files].map((f) => ({ name: f.name, blob: f }))).then(publish).catch(fail);
+$("download").onclick = () => {
+  const link = document.createElement("a");
+  link.href = URL.createObjectURL(new Blob([trained], { type: "application/octet-stream" }));
+  link.download = "parameters.bin";  // ortflow-import-artifacts parameters.bin RUN_DIR --set FOLDER
+  link.click();
+};
+
+async function load() {
+  ort.env.wasm.wasmPaths = new URL("ort/", location.href).href;
+  set = await openSet(query.get("set") || "..");
+  const m = set.manifest;
+  $("about").textContent = `${set.kind || "custom"} set: batch of ${m.batch_size}, ${m.parameters.count} parameters, ` +
+    `learning rate ${m.learning_rate.value} (carried in the optimizer model), onnxruntime-web ${ort.env.versions.web}, ` +
+    `${crossOriginIsolated ? "threads" : "one thread (no COOP/COEP)"}`;
+  if (set.kind === "text") ["pick-text", "try-text"].forEach((id) => $(id).classList.remove("hidden"));
+  if (set.kind === "image") ["pick-images", "try-images"].forEach((id) => $(id).classList.remove("hidden"));
+  example = await set.exampleBatch();
+  if (query.get("prompt") !== null) $("prompt").value = query.get("prompt");
+  if (query.get("temperature") !== null) $("temperature").value = query.get("temperature");
+  if (query.get("data")) await fromUrl(query.get("data"));
+  status("Ready.");
+  $("train").disabled = false;
+}
+
+if (query.get("steps")) $("steps").value = query.get("steps");
+load().then(() => (query.has("autorun") ? train(Number($("steps").value)) : null)).catch(fail);
