@@ -1,9 +1,10 @@
 """`--web`: a static folder that trains the set in a browser with onnxruntime-web's training build.
 
-DIR/web/ gets the page (index.html, train.js: this package's web/ folder), serve.py (MIME types and COOP/COEP
-headers), and ort/: onnxruntime-web 1.19.2's training files, vendored from npm at export time (`npm pack`, cached in
-~/.cache/ortflow/onnxruntime-web-1.19.2/), or from a tarball or unpacked package given with --ort-web. 1.19.2 is the
-last release with a training build. Nothing is loaded from elsewhere: the folder works offline.
+DIR/web/ gets the page (index.html, page.js) and its module (ortflow-device.js) from this package's web/ folder,
+serve.py (MIME types, COOP/COEP headers, folder listings), and ort/: onnxruntime-web 1.19.2's training files,
+vendored from npm at export time (`npm pack`, cached in ~/.cache/ortflow/onnxruntime-web-1.19.2/), or from a tarball
+or unpacked package given with --ort-web. 1.19.2 is the last release with a training build. Nothing is loaded from
+elsewhere: the folder works offline.
 """
 
 import os
