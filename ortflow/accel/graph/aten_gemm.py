@@ -77,7 +77,9 @@ def gemm_backward(grad_output: torch.Tensor, a16, b16, bias, transpose_b: bool, 
     grad_a = grad_b = grad_bias = None
     if output_mask[0]:
         weight = b16
-        grad_a = torch.matmul(grad16, weight if transpose_b else weight.mT).float().sum_to_size(a16.shape)
+        grad_a = torch.matmul(grad16, weight if transpose_b else weight.mT).sum_to_size(a16.shape)
+        a_in_bf16 = len(output_mask) > 4 and output_mask[4]  # a arrived bf16 (accel/graph/bf16_edges.py)
+        grad_a = grad_a if a_in_bf16 else grad_a.float()
     if output_mask[1]:
         if b16.dim() == 2:
             flat_grad, flat_a = grad16.reshape(-1, grad16.size(-1)), a16.reshape(-1, a16.size(-1))
@@ -111,6 +113,7 @@ aten_nodes.register(
         gradient=gradient,
         fix_name="matmuls_run_by_torch_bf16",
         frozen_input=1,  # b: a frozen weight's bf16 copy is kept from step to step
+        bf16_input=0,  # a: bf16 where the GEMM before it hands bf16 along (accel/graph/bf16_edges.py)
         shape=aten_shapes.gemm_shape,
     )
 )

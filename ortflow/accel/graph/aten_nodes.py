@@ -39,6 +39,9 @@ class AtenOp:
     # gradients'): the operator may then reuse a copy of it from step to step (accel/graph/bf16_weights.py). None: no
     # such flag.
     frozen_input: int | None = None
+    # The forward node's input that may arrive in bf16 (accel/graph/bf16_edges.py): one more boolean after the others
+    # says whether it does, and the gradient node then returns that input's gradient in bf16. None: always fp32.
+    bf16_input: int | None = None
     # Its output shapes for ORT's symbolic shape inference (ORTModule), as `handler(inference, node)`
     # (accel/graph/aten_shapes.py); None: ORT's own rule, or the node never reaches that inference.
     shape: Callable[[Any, Any], None] | None = None
@@ -95,8 +98,10 @@ def set_gradient_masks(model: onnx.ModelProto, trainable: set[str], frozen: set[
     """Give every registered ATen node of an exported graph the mask of the gradients it must compute: whether each
     of its differentiable inputs depends on a trainable parameter (`trainable`: their graph names). An image fed to
     the first convolution, or a frozen layer's weight, gets no gradient. An operator with a `frozen_input` gets one
-    more boolean: whether that input is one of the frozen parameters `frozen` (their graph names)."""
+    more boolean: whether that input is one of the frozen parameters `frozen` (their graph names); one with a
+    `bf16_input`, one more: whether that input is typed bf16 in the graph."""
     graph = model.graph
+    types = _elem_types(graph)
     reached = set(trainable)
     for node in graph.node:  # nodes are in execution order
         if any(name in reached for name in node.input):
@@ -107,6 +112,8 @@ def set_gradient_masks(model: onnx.ModelProto, trainable: set[str], frozen: set[
             mask = [len(node.input) > i and node.input[i] in reached for i in op.differentiable]
             if op.frozen_input is not None:
                 mask.append(node.input[op.frozen_input] in frozen)
+            if op.bf16_input is not None:
+                mask.append(types.get(node.input[op.bf16_input]) == onnx.TensorProto.BFLOAT16)
             name = f"{node.name or node.output[0]}/output_mask"
             kept.append(
                 onnx.helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(mask)))
@@ -117,22 +124,34 @@ def set_gradient_masks(model: onnx.ModelProto, trainable: set[str], frozen: set[
     graph.node.extend(kept)
 
 
-def type_gradient_outputs(model: onnx.ModelProto) -> int:
-    """Declare the types of the registered gradient nodes' outputs in a training graph (those of their first input,
-    the output's gradient). Returns how many it declared."""
-    graph = model.graph
-    backward = {op.backward for op in OPS.values()}
+def _elem_types(graph: onnx.GraphProto) -> dict[str, int]:
     typed = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
-    typed |= {i.name: i.data_type for i in graph.initializer}
+    return typed | {i.name: i.data_type for i in graph.initializer}
+
+
+def type_gradient_outputs(model: onnx.ModelProto) -> int:
+    """Declare the types of the registered gradient nodes' outputs in a training graph: each the type of the forward
+    input it is the gradient of (found through the forward outputs the gradient node reads), else that of the
+    gradient it receives (its first input). Returns how many it declared."""
+    graph = model.graph
+    backward = {op.backward: op for op in OPS.values()}
+    typed = _elem_types(graph)
+    forward_of = {name: node for node in graph.node if operator(node) in OPS for name in node.output if name}
     declared = 0
     for node in graph.node:
-        if operator(node) not in backward:
+        op = backward.get(operator(node) or "")
+        if op is None:
             continue
-        elem = typed.get(node.input[0]) or onnx.TensorProto.FLOAT
-        for name in node.output:
-            if name and not typed.get(name):
-                graph.value_info.append(onnx.helper.make_empty_tensor_value_info(name))
-                graph.value_info[-1].type.tensor_type.elem_type = elem
-                typed[name] = elem
-                declared += 1
+        source = next((forward_of[name] for name in node.input[1:] if name in forward_of), None)
+        incoming = typed.get(node.input[0]) or onnx.TensorProto.FLOAT
+        for k, name in enumerate(node.output):
+            if not name or typed.get(name):
+                continue
+            elem = incoming
+            if source is not None and operator(source) == op.forward and k < len(op.differentiable):
+                elem = typed.get(source.input[op.differentiable[k]]) or incoming
+            graph.value_info.append(onnx.helper.make_empty_tensor_value_info(name))
+            graph.value_info[-1].type.tensor_type.elem_type = elem
+            typed[name] = elem
+            declared += 1
     return declared

@@ -86,7 +86,7 @@ def gemm_shape(inference: Any, node: Any) -> None:
     from onnx import TensorProto
 
     shape, a, b = _product_shape(inference, node)
-    _set(inference, node, 0, inference.known_vi_[node.input[0]].type.tensor_type.elem_type, shape)
+    _set(inference, node, 0, TensorProto.FLOAT, shape)  # fp32 also where a arrives bf16 (bf16_edges.py)
     _set(inference, node, 1, TensorProto.BFLOAT16, a)
     _set(inference, node, 2, TensorProto.BFLOAT16, b)
 

@@ -31,6 +31,7 @@ from ortflow.accel.graph import (  # noqa: F401  every op module: importing one 
     aten_shapes,
     aten_upsample,
     batchnorm,
+    bf16_edges,
     decompositions,
     onnx_gradients,
     rewrites,

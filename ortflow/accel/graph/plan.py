@@ -91,6 +91,11 @@ class GraphSettings:
     # SoftmaxCrossEntropyLoss, which took 237 ms forward + 53 ms gradient on GPT-2's (1024 x 50,257) logits against
     # ~95 ms for torch's on a 2-core Zen 5. null: on with trainer.precision=bf16-mixed, off in fp32.
     aten_cross_entropy: bool | None = None
+    # bf16 handed from one bf16 GEMM to the next through a ReLU and a dropout mask (a transformer's feed-forward
+    # block), the ReLU and the mask then run by torch (accel/graph/bf16_edges.py), as autocast hands bf16 along:
+    # four conversions of the block's widest tensor less per step. null: on with trainer.precision=bf16-mixed; fp32
+    # has no bf16 edges.
+    bf16_edges: bool | None = None
 
 
 # --8<-- [end:graph-settings]

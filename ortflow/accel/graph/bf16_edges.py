@@ -1,0 +1,225 @@
+"""bf16 handed from one torch-kernel GEMM to the next (`trainer.precision=bf16-mixed`, `accel.bf16_edges`).
+
+Why: every bf16 GEMM node (accel/graph/aten_gemm.py) takes fp32, rounds it to bf16 inside, and returns fp32, so a
+feed-forward block `linear1 -> ReLU -> dropout -> linear2` converts its widest tensor (tokens x dim_feedforward) four
+times a step that torch's autocast never converts: linear1's product to fp32 and back to bf16 for linear2, and the
+gradient the same way round. Under CPU autocast linear returns bf16, and relu and dropout keep a bf16 input bf16, so
+eager hands bf16 along. ORT's CPU kernels have no bf16 arithmetic (Greater, Mul, Relu and their gradients fail on
+bf16), so the ReLU and the dropout mask between the two GEMMs cannot stay ORT's and be bf16.
+
+How: the rewrite finds `ATen gemm_bf16 -> ReLU (Relu, or the relu rewrite's x * (x > 0)) -> [x * m, m a graph
+input: a fed dropout mask] -> ATen gemm_bf16 (its first input)` where every intermediate has that one reader, and
+makes the first GEMM one node running `ortflow::gemm_bf16_relu`: the product, ReLU and mask in torch, as autocast
+rounds them (the product in bf16, the mask applied in float and rounded to bf16 once), returning bf16, which the
+second GEMM takes as it is. Its gradient node (`ortflow::gemm_bf16_relu_backward`) takes the bf16 gradient the second
+GEMM's gradient node now returns (a GEMM told by its mask that its input arrives bf16 returns that input's gradient
+in bf16: `aten_nodes.AtenOp.bf16_input`) and applies mask and ReLU from the saved bf16 output (where the mask is not
+zero, output > 0 exactly where the product was). Weights, biases and their gradients stay fp32 and ORT's optimizer's.
+"""
+
+from typing import Any
+
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from ortflow.accel.graph import aten_gemm, aten_nodes, aten_shapes
+from ortflow.accel.graph import plan as graph_plan
+from ortflow.config import BF16
+
+OPERATOR = "ortflow::gemm_bf16_relu"
+BACKWARD = "ortflow::gemm_bf16_relu_backward"
+
+_LIBRARY = torch.library.Library("ortflow", "FRAGMENT")
+_LIBRARY.define(
+    "gemm_bf16_relu(Tensor a, Tensor b, Tensor? bias, bool transpose_b, bool[] output_mask, Tensor mask)"
+    " -> (Tensor, Tensor, Tensor)"
+)
+_LIBRARY.define(
+    "gemm_bf16_relu_backward(Tensor grad_output, Tensor out16, Tensor mask, Tensor a16, Tensor b16, Tensor? bias, "
+    "bool transpose_b, bool[] output_mask) -> (Tensor, Tensor, Tensor)"
+)
+
+
+def _scale(mask: torch.Tensor) -> float:
+    """The kept values' scale 1 / (1 - p) of a fed dropout mask (its values are 0 or that): its largest value, read
+    from its start where that holds a kept value (it nearly always does), else from the whole mask."""
+    head = float(mask.reshape(-1)[:4096].max())
+    return head if head > 0 else float(mask.max())
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x (bf16) times the dropout mask (fp32: 0 or 1 / (1 - p); empty: none) as autocast's dropout computes it on a
+    bf16 tensor, `x * keep * scale` in bf16 (the scale applied in fp32 and rounded once): no conversion of x."""
+    if mask.numel() == 0:
+        return x
+    return x.mul(mask.ne(0)).mul_(_scale(mask))
+
+
+def _forward(a, b, bias, transpose_b: bool, output_mask, mask):
+    out, a16, b16 = aten_gemm.product_bf16(a, b, bias, transpose_b, output_mask)
+    return _masked(torch.relu(out), mask), a16, b16
+
+
+def _backward(grad_output, out16, mask, a16, b16, bias, transpose_b: bool, output_mask):
+    grad = _masked(grad_output.to(torch.bfloat16), mask)
+    grad = grad.masked_fill(out16 <= 0, 0)  # where the mask kept it, out16 > 0 exactly where the product was
+    return aten_gemm.gemm_backward(grad, a16, b16, bias, transpose_b, output_mask)
+
+
+_LIBRARY.impl("gemm_bf16_relu", _forward, "CPU")
+_LIBRARY.impl("gemm_bf16_relu_backward", _backward, "CPU")
+
+# GO(0) (bf16), the forward's bf16 output and mask, its bf16 copies of a and b, bias, transpose flag and gradient mask
+gradient = aten_nodes.one_node_gradient(BACKWARD, ["GO(0)", "O(0)", "I(5)", "O(1)", "O(2)", "I(2)", "I(3)", "I(4)"])
+
+
+def shape(inference: Any, node: Any) -> None:
+    """The product's shape in bf16; outputs 1 and 2 the bf16 copies of a and b."""
+    product, a, b = aten_shapes._product_shape(inference, node)
+    aten_shapes._set(inference, node, 0, TensorProto.BFLOAT16, product)
+    aten_shapes._set(inference, node, 1, TensorProto.BFLOAT16, a)
+    aten_shapes._set(inference, node, 2, TensorProto.BFLOAT16, b)
+
+
+aten_nodes.register(
+    aten_nodes.AtenOp(
+        OPERATOR,
+        BACKWARD,
+        differentiable=(0, 1, 2),
+        mask_input=4,
+        gradient=gradient,
+        fix_name="matmuls_run_by_torch_bf16",
+        frozen_input=1,
+        bf16_input=0,
+        shape=shape,
+    )
+)
+
+
+def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    found: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            found.setdefault(name, []).append(node)
+    for value in graph.output:
+        found.setdefault(value.name, []).append(None)  # type: ignore[arg-type]  (a graph output is a reader)
+    return found
+
+
+def _only(readers: dict[str, list], name: str) -> onnx.NodeProto | None:
+    found = readers.get(name, [])
+    return found[0] if len(found) == 1 else None
+
+
+def _relu(z: str, readers: dict[str, list]) -> tuple[str, list[onnx.NodeProto]] | None:
+    """The ReLU of z (its output and its nodes) when z has no other reader: Relu(z), or x * Cast(x > 0)."""
+    found = readers.get(z, [])
+    if len(found) == 1 and found[0] is not None and found[0].op_type == "Relu":
+        return found[0].output[0], [found[0]]
+    if len(found) != 2 or None in found:
+        return None
+    greater = next((n for n in found if n.op_type == "Greater" and n.input[0] == z), None)
+    mul = next((n for n in found if n.op_type == "Mul" and z in n.input), None)
+    if greater is None or mul is None:
+        return None
+    cast = _only(readers, greater.output[0])
+    if cast is None or cast.op_type != "Cast" or _only(readers, cast.output[0]) is not mul:
+        return None
+    if set(mul.input) != {z, cast.output[0]}:
+        return None
+    return mul.output[0], [greater, cast, mul]
+
+
+def _zero(constants: dict[str, Any], names: Any) -> bool:
+    """Whether the one name given is a constant (a Constant node's output or an initializer) equal to 0."""
+    if len(names) != 1 or names[0] not in constants:
+        return False
+    found = constants[names[0]]
+    tensor = found if isinstance(found, onnx.TensorProto) else next(a.t for a in found.attribute if a.name == "value")
+    return bool((numpy_helper.to_array(tensor) == 0).all())
+
+
+def _is_gemm(node: onnx.NodeProto | None) -> bool:
+    return node is not None and aten_nodes.operator(node) == aten_gemm.OPERATOR
+
+
+def gemm_relu_chains(model: onnx.ModelProto, trainable: set[str] | frozenset = frozenset()) -> int:
+    """Fuse each `gemm_bf16 -> ReLU -> [x * graph input] -> gemm_bf16` chain (module docstring) so that bf16 flows
+    from the first GEMM to the second. Returns how many it fused."""
+    graph = model.graph
+    inputs = {v.name for v in graph.input} - set(trainable)
+    types = {v.name: v.type.tensor_type.elem_type for v in graph.input}
+    readers = _readers(graph)
+    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
+    constants |= {i.name: i for i in graph.initializer}
+    removed: set[int] = set()
+    changed = 0
+    before: dict[int, onnx.NodeProto] = {}  # a Constant to place before a fused node (its empty mask)
+    for first in graph.node:
+        if not _is_gemm(first) or id(first) in removed:
+            continue
+        relu = _relu(first.output[0], readers)
+        if relu is None:
+            continue
+        out, nodes = relu
+        mask, after = "", _only(readers, out)
+        if after is not None and after.op_type == "Dropout" and _zero(constants, after.input[1:2]):
+            out, nodes = after.output[0], [*nodes, after]  # dropout at 0: the identity
+            after = _only(readers, out)
+        if after is not None and after.op_type == "Mul" and out in after.input:
+            other = after.input[1] if after.input[0] == out else after.input[0]
+            if other in inputs and types.get(other) == TensorProto.FLOAT:
+                mask, out, nodes = other, after.output[0], [*nodes, after]
+                after = _only(readers, out)
+        if not _is_gemm(after) or after.input[0] != out or after.input[1] == out:
+            continue
+        base = first.name or first.output[0]
+        if not mask:
+            mask = f"{base}/no_mask"
+            before[id(first)] = helper.make_node("Constant", [], [mask], value=helper.make_tensor(mask, 1, [0], []))
+        first.input.append(mask)
+        for attribute in first.attribute:
+            if attribute.name == "operator":
+                attribute.s = OPERATOR.encode()
+        edge = f"{base}/bf16"
+        first.output[0] = edge
+        after.input[0] = edge
+        graph.value_info.append(helper.make_empty_tensor_value_info(edge))
+        graph.value_info[-1].type.tensor_type.elem_type = TensorProto.BFLOAT16
+        removed.update(id(node) for node in nodes)
+        changed += 1
+    if changed:
+        kept = []
+        for node in graph.node:
+            if id(node) in before:
+                kept.append(before[id(node)])
+            if id(node) not in removed:
+                kept.append(node)
+        del graph.node[:]
+        graph.node.extend(kept)
+    return changed
+
+
+def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    if plan.by_torch(NAME):
+        work.count("bf16_edges_between_gemms", gemm_relu_chains(model, work.trainable | work.frozen))
+
+
+NAME = "bf16_edges"
+OP = graph_plan.declare(
+    graph_plan.GraphOp(
+        NAME,
+        replaces="fp32 edges between bf16 GEMMs (GEMM -> ReLU -> dropout -> GEMM) by bf16 ones, ReLU and mask in torch",
+        module=__name__,
+        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
+        choose=lambda settings, precision, engine: (
+            graph_plan.Path.torch
+            if graph_plan.switch(settings, "bf16_edges", precision) and precision == BF16
+            else graph_plan.Path.ort
+        ),
+        setting="bf16_edges",
+        rewrite=_rewrite,
+        order=90,
+    )
+)

@@ -1,0 +1,130 @@
+"""bf16 handed from GEMM to GEMM through a ReLU and a dropout mask (accel/graph/bf16_edges.py): the fused node
+computes what the fp32-edged nodes computed, bit for bit, and what autocast computes; the trained graphs hold bf16
+only on edges where eager autocast has bf16 too; both engines train to the same losses with and without it."""
+
+import json
+
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ortflow.accel.graph import aten_gemm, bf16_edges
+from ortflow.run.runner import build_data, build_model, train
+from tests.accel.test_precision import losses
+from tests.conftest import TINY, make_cfg
+
+OPS = torch.ops.ortflow
+LM = [*TINY, "trainer.log_every=1", "trainer.eval_every=0", "trainer.max_steps=4", "trainer.precision=bf16-mixed"]
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    p = 0.25
+    keep = torch.rand(6, 4, 32, generator=gen) >= p
+    return {
+        "x": torch.randn(6, 4, 16, generator=gen),
+        "w1": torch.randn(32, 16, generator=gen) / 4,
+        "b1": torch.randn(32, generator=gen),
+        "w2": torch.randn(8, 32, generator=gen) / 4,
+        "b2": torch.randn(8, generator=gen),
+        "mask": keep.float() * (1 / (1 - p)),  # a fed mask: 0 or 1 / (1 - p), as the engines draw them
+        "keep": keep,
+        "scale": torch.tensor(1 / (1 - p)),
+        "grad": torch.randn(6, 4, 8, generator=gen),
+    }
+
+
+def test_the_fused_node_computes_what_the_fp32_edged_nodes_did_and_what_autocast_does():
+    t = _tensors()
+    full = [True, True, True, False, False]
+    # The fp32 edges: GEMM (fp32 out) -> ReLU -> mask in ORT's fp32 -> GEMM (rounds its input to bf16).
+    z, x16, w1_16 = OPS.gemm_bf16(t["x"], t["w1"], t["b1"], True, full)
+    h32 = torch.relu(z) * t["mask"]
+    out32, h16_in, w2_16 = OPS.gemm_bf16(h32, t["w2"], t["b2"], True, full)
+    gh32, gw2, gb2 = OPS.gemm_bf16_backward(t["grad"], h16_in, w2_16, t["b2"], True, full)
+    gz = gh32 * t["mask"] * (z > 0)
+    gx, gw1, gb1 = OPS.gemm_bf16_backward(gz, x16, w1_16, t["b1"], True, full)
+    # The bf16 edge: one node for GEMM, ReLU and mask, bf16 out; the next GEMM told its input arrives bf16.
+    h16, fx16, fw1_16 = OPS.gemm_bf16_relu(t["x"], t["w1"], t["b1"], True, full, t["mask"])
+    assert h16.dtype == torch.bfloat16 and torch.equal(h16, h16_in)
+    out, _, fw2_16 = OPS.gemm_bf16(h16, t["w2"], t["b2"], True, [*full[:4], True])
+    assert out.dtype == torch.float32 and torch.equal(out, out32)
+    g16, fgw2, fgb2 = OPS.gemm_bf16_backward(t["grad"], h16, fw2_16, t["b2"], True, [*full[:4], True])
+    assert g16.dtype == torch.bfloat16 and torch.equal(g16.float(), gh32)
+    fgx, fgw1, fgb1 = OPS.gemm_bf16_relu_backward(g16, h16, t["mask"], fx16, fw1_16, t["b1"], True, full)
+    for mine, theirs in ((fgw2, gw2), (fgb2, gb2), (fgx, gx), (fgw1, gw1)):
+        assert mine.dtype == torch.float32 and torch.equal(mine, theirs)
+    # The first bias's gradient sums the product's gradient as it now arrives, rounded to bf16 (as autocast's
+    # bf16 backward hands it), where the fp32 edges summed it unrounded.
+    assert torch.equal(fgb1, gz.to(torch.bfloat16).float().sum((0, 1)))
+    torch.testing.assert_close(fgb1, gb1, rtol=1e-2, atol=1e-2)
+    # Autocast's forward: linear in bf16, relu and dropout keep bf16 (dropout: x * keep * scale, rounded once).
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = torch.relu(F.linear(t["x"], t["w1"], t["b1"])).mul(t["keep"]).mul_(float(t["scale"]))
+    assert eager.dtype == torch.bfloat16 and torch.equal(h16, eager)
+    # Without a mask (dropout off): an empty one.
+    plain, _, _ = OPS.gemm_bf16_relu(t["x"], t["w1"], t["b1"], True, full, torch.zeros(0))
+    assert torch.equal(plain, torch.relu(z).to(torch.bfloat16))
+
+
+def _engine(run_dir) -> dict:
+    return json.loads((run_dir / "run.json").read_text())["engine"]
+
+
+def _edge_dtypes(model: onnx.ModelProto) -> dict[str, int]:
+    """The element type of each bf16 GEMM node's first input, by the module its node belongs to."""
+    graph = model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info)}
+    found = {}
+    for node in graph.node:
+        operator = next((a.s.decode() for a in node.attribute if a.name == "operator"), None)
+        if operator in (aten_gemm.OPERATOR, bf16_edges.OPERATOR) and "/model/" in node.name:
+            module = node.name.split("/model/", 1)[1].rsplit("/", 1)[0].replace("/", ".")
+            found[module] = types.get(node.input[0], onnx.TensorProto.FLOAT)
+    return found
+
+
+def _autocast_input_dtypes(tmp_path) -> dict[str, torch.dtype]:
+    """The dtype of every nn.Linear's input in one eager training forward under CPU autocast."""
+    cfg = make_cfg(*LM)
+    model = build_model(cfg, build_data(cfg)).train()
+    found: dict[str, torch.dtype] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda m, args, name=name: found.__setitem__(name, args[0].dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 256, (2, 16)))
+    return found
+
+
+def test_no_edge_is_bf16_where_autocast_has_fp32_and_both_engines_train_the_same_with_it(tmp_path):
+    eager = _autocast_input_dtypes(tmp_path)
+    run_losses = {}
+    for mode in ("artifacts", "ortmodule"):
+        for edges in ("true", "false"):
+            run_dir = tmp_path / f"{mode}-{edges}"
+            train(make_cfg(*LM, f"accel={mode}", f"accel.bf16_edges={edges}"), run_dir)
+            engine = _engine(run_dir)
+            assert engine["graph_plan"]["ops"]["bf16_edges"] == ("torch" if edges == "true" else "ort")
+            fused = engine["graph_fixes"].get("bf16_edges_between_gemms", 0)
+            assert fused == (1 if edges == "true" else 0), engine["graph_fixes"]  # TINY: one layer
+            run_losses[mode, edges] = losses(run_dir)
+            if mode == "artifacts":
+                graph = _edge_dtypes(onnx.load(str(run_dir / "onnx" / "training_model.onnx")))
+                bf16 = {m for m, t in graph.items() if t == onnx.TensorProto.BFLOAT16}
+                assert bf16 == ({"transformer.layers.0.linear2"} if edges == "true" else set()), graph
+                for module in bf16:  # never bf16 where autocast hands the GEMM fp32 (the residual stream)
+                    assert eager[module] == torch.bfloat16, (module, eager)
+                assert eager["transformer.layers.0.linear1"] == torch.float32  # after LayerNorm: fp32 in both
+    for mode in ("artifacts", "ortmodule"):  # dropout on: the same masks, the same arithmetic, the same losses
+        assert run_losses[mode, "true"] == run_losses[mode, "false"], run_losses
+        assert len(run_losses[mode, "true"]) == 4
+
+
+@pytest.mark.parametrize("mode", ["artifacts"])
+def test_fp32_runs_have_no_bf16_edges(mode, tmp_path):
+    train(make_cfg(*LM[:-1], "trainer.precision=fp32", f"accel={mode}"), tmp_path / mode)
+    engine = _engine(tmp_path / mode)
+    assert engine["graph_plan"]["ops"]["bf16_edges"] == "ort"
+    assert "bf16_edges_between_gemms" not in engine["graph_fixes"]
