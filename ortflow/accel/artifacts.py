@@ -391,6 +391,9 @@ class ArtifactsEngine:
             return given
         drawn = self.sampler.draw() if train else self.eval_masks
         by_name = dict(zip((m.name for m in self.masks), drawn, strict=True))
+        for mask in self.masks:  # a mask applied by a torch-kernel node: its scale beside it (1: evaluation)
+            if mask.scale_input:
+                by_name[mask.scale_input] = mask.scale if train else np.array(1.0, dtype=np.float32)
         batch = iter(given)
         return [by_name[name] if name in by_name else next(batch) for name in self.module.input_names()]
 

@@ -27,12 +27,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DropoutMask:
-    """A graph input that replaced a Dropout: the engine feeds `shape`-shaped masks of 0 and 1/(1-ratio)."""
+    """A graph input that replaced a Dropout: the engine feeds `shape`-shaped masks of 0 and 1/(1-ratio); or, with
+    `scale_input` (a dropout a torch-kernel node applies itself: accel/graph/bf16_edges.py), uint8 keep flags 0 and
+    1 in the mask and 1/(1-ratio) in the scalar input `scale_input` (1 in evaluation, where the masks are all 1)."""
 
     name: str
     shape: tuple[int, ...]
     ratio: float
     dtype: np.dtype = field(default=np.dtype(np.float32))
+    scale_input: str | None = None
+
+    @property
+    def scale(self) -> np.ndarray:
+        """The training step's value of `scale_input`."""
+        return np.array(1.0 / (1.0 - self.ratio) if self.ratio < 1.0 else 0.0, dtype=np.float32)
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -384,7 +392,8 @@ class MaskSampler:
                 out.fill(0)
                 continue
             np.greater_equal(drawn, np.uint32(min(round(mask.ratio * 2**32), 2**32 - 1)), out=keep)
-            np.multiply(keep.reshape(mask.shape), mask.dtype.type(1.0 / (1.0 - mask.ratio)), out=out)
+            kept = 1 if mask.scale_input else 1.0 / (1.0 - mask.ratio)  # keep flags, or kept values scaled
+            np.multiply(keep.reshape(mask.shape), mask.dtype.type(kept), out=out)
         return self.out
 
 

@@ -15,6 +15,7 @@ from tests.accel.test_precision import losses
 from tests.conftest import TINY, make_cfg
 
 OPS = torch.ops.ortflow
+NO = torch.zeros(0)  # no mask, no scale
 LM = [*TINY, "trainer.log_every=1", "trainer.eval_every=0", "trainer.max_steps=4", "trainer.precision=bf16-mixed"]
 
 
@@ -46,13 +47,14 @@ def test_the_fused_node_computes_what_the_fp32_edged_nodes_did_and_what_autocast
     gz = gh32 * t["mask"] * (z > 0)
     gx, gw1, gb1 = OPS.gemm_bf16_backward(gz, x16, w1_16, t["b1"], True, full)
     # The bf16 edge: one node for GEMM, ReLU and mask, bf16 out; the next GEMM told its input arrives bf16.
-    h16, fx16, fw1_16 = OPS.gemm_bf16_relu(t["x"], t["w1"], t["b1"], True, full, t["mask"])
+    keep, scale = t["keep"].to(torch.uint8), t["scale"]  # the artifacts engine's feed: keep flags and the scale
+    h16, fx16, fw1_16 = OPS.gemm_bf16_relu(t["x"], t["w1"], t["b1"], True, full, keep, scale)
     assert h16.dtype == torch.bfloat16 and torch.equal(h16, h16_in)
     out, _, fw2_16 = OPS.gemm_bf16(h16, t["w2"], t["b2"], True, [*full[:4], True])
     assert out.dtype == torch.float32 and torch.equal(out, out32)
     g16, fgw2, fgb2 = OPS.gemm_bf16_backward(t["grad"], h16, fw2_16, t["b2"], True, [*full[:4], True])
     assert g16.dtype == torch.bfloat16 and torch.equal(g16.float(), gh32)
-    fgx, fgw1, fgb1 = OPS.gemm_bf16_relu_backward(g16, h16, t["mask"], fx16, fw1_16, t["b1"], True, full)
+    fgx, fgw1, fgb1 = OPS.gemm_bf16_relu_backward(g16, h16, keep, scale, fx16, fw1_16, t["b1"], True, full)
     for mine, theirs in ((fgw2, gw2), (fgb2, gb2), (fgx, gx), (fgw1, gw1)):
         assert mine.dtype == torch.float32 and torch.equal(mine, theirs)
     # The first bias's gradient sums the product's gradient as it now arrives, rounded to bf16 (as autocast's
@@ -64,7 +66,7 @@ def test_the_fused_node_computes_what_the_fp32_edged_nodes_did_and_what_autocast
         eager = torch.relu(F.linear(t["x"], t["w1"], t["b1"])).mul(t["keep"]).mul_(float(t["scale"]))
     assert eager.dtype == torch.bfloat16 and torch.equal(h16, eager)
     # Without a mask (dropout off): an empty one.
-    plain, _, _ = OPS.gemm_bf16_relu(t["x"], t["w1"], t["b1"], True, full, torch.zeros(0))
+    plain, _, _ = OPS.gemm_bf16_relu(t["x"], t["w1"], t["b1"], True, full, NO, NO)
     assert torch.equal(plain, torch.relu(z).to(torch.bfloat16))
 
 
@@ -98,13 +100,18 @@ def _autocast_input_dtypes(tmp_path) -> dict[str, torch.dtype]:
     return found
 
 
+# The artifacts engine with dropout (its masks fed as keep flags and a scale), ORTModule without (its fp32 masks
+# keep the chain as it was: bf16_edges.gemm_relu_chains).
+CASES = {"artifacts": [], "ortmodule": ["model.dropout=0.0"]}
+
+
 def test_no_edge_is_bf16_where_autocast_has_fp32_and_both_engines_train_the_same_with_it(tmp_path):
     eager = _autocast_input_dtypes(tmp_path)
     run_losses = {}
-    for mode in ("artifacts", "ortmodule"):
+    for mode, extra in CASES.items():
         for edges in ("true", "false"):
             run_dir = tmp_path / f"{mode}-{edges}"
-            train(make_cfg(*LM, f"accel={mode}", f"accel.bf16_edges={edges}"), run_dir)
+            train(make_cfg(*LM, *extra, f"accel={mode}", f"accel.bf16_edges={edges}"), run_dir)
             engine = _engine(run_dir)
             assert engine["graph_plan"]["ops"]["bf16_edges"] == ("torch" if edges == "true" else "ort")
             fused = engine["graph_fixes"].get("bf16_edges_between_gemms", 0)
@@ -117,7 +124,7 @@ def test_no_edge_is_bf16_where_autocast_has_fp32_and_both_engines_train_the_same
                 for module in bf16:  # never bf16 where autocast hands the GEMM fp32 (the residual stream)
                     assert eager[module] == torch.bfloat16, (module, eager)
                 assert eager["transformer.layers.0.linear1"] == torch.float32  # after LayerNorm: fp32 in both
-    for mode in ("artifacts", "ortmodule"):  # dropout on: the same masks, the same arithmetic, the same losses
+    for mode in CASES:  # the same masks, the same arithmetic, the same losses
         assert run_losses[mode, "true"] == run_losses[mode, "false"], run_losses
         assert len(run_losses[mode, "true"]) == 4
 
