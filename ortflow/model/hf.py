@@ -142,6 +142,7 @@ def build_hf_model(
             raise ModelError(f"model.model_type={model_type!r}: {str(err).splitlines()[0]}") from None
         if vocab_size is not None:
             model_config.vocab_size = vocab_size
+            _special_tokens_within(model_config, vocab_size, settings, model_type)
         if max_positions is not None and "max_position_embeddings" not in settings:
             model_config.max_position_embeddings = max_positions  # gpt2's n_positions through its attribute map
         model = auto.from_config(model_config)
@@ -149,6 +150,31 @@ def build_hf_model(
     n_params = sum(p.numel() for p in model.parameters())
     log.info("built %s (%s, %s): %.2fM parameters", type(model).__name__, source, task, n_params / 1e6)
     return HFModel(model, output)
+
+
+SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id", "mask_token_id")
+
+
+def _special_tokens_within(model_config: Any, vocab_size: int, settings: dict[str, Any], model_type: str) -> None:
+    """A random-initialised model's special token ids within the data's vocabulary: an architecture's default that
+    lies outside (phi3's pad_token_id 32000 beside a 256-byte vocabulary; its embedding's padding_idx must be a
+    token) is cleared, the model then has no such token; one the user set there is refused.
+
+    Raises:
+        ConfigError: model.config.<key> names a token id outside the vocabulary.
+    """
+    for key in SPECIAL_TOKENS:
+        value = getattr(model_config, key, None)
+        if not isinstance(value, int) or 0 <= value < vocab_size:
+            continue
+        if key in settings:
+            raise ConfigError(
+                f"model.config.{key}={value} lies outside the model's vocabulary of {vocab_size} tokens (the data's: "
+                f"data.vocab_size): a token id must be below {vocab_size}. Give an id the data's tokenizer uses, or "
+                "leave the key out."
+            )
+        log.info("model=hf %s: %s=%d is outside the vocabulary of %d; cleared", model_type, key, value, vocab_size)
+        setattr(model_config, key, None)
 
 
 def check_vocabulary(model: nn.Module, vocab: int | None, name_or_path: str | None) -> None:

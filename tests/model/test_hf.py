@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ortflow.check.modes import check
-from ortflow.errors import ModelError
+from ortflow.errors import ConfigError, ModelError
 from ortflow.model.hf import build_hf_model
 from ortflow.validate import problems
 from tests.conftest import REPO, make_cfg
@@ -141,3 +141,18 @@ def test_transformers_log_records_go_to_the_log_not_the_terminal(caplog):
     with caplog.at_level(logging.WARNING):
         hf_logging.get_logger("transformers.modeling_utils").warning("a transformers notice")
     assert any(r.name.startswith("transformers") for r in caplog.records)  # propagates to ortflow's handlers
+
+
+PHI3 = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+
+
+def test_special_token_defaults_outside_the_datas_vocabulary_are_cleared_and_a_users_is_refused():
+    # phi3's pad_token_id (32000) and eos_token_id (32000) lie outside a 256-byte vocabulary: torch's embedding would
+    # refuse the padding index; they are cleared (the model has no such token), bos_token_id=1 stays.
+    model = build_hf_model(model_type="phi3", config=dict(PHI3), vocab_size=256, max_positions=16)
+    config = model.model.config
+    assert config.pad_token_id is None and config.eos_token_id is None and config.bos_token_id == 1
+    out = model(torch.randint(0, 256, (2, 16)))
+    assert out.shape == (2, 16, 256)
+    with pytest.raises(ConfigError, match=r"model.config.pad_token_id=300 lies outside the model's vocabulary of 256"):
+        build_hf_model(model_type="phi3", config={**PHI3, "pad_token_id": 300}, vocab_size=256, max_positions=16)
