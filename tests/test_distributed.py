@@ -217,7 +217,8 @@ def test_a_ddp_ortmodule_run_leaves_no_threads_to_interpreter_shutdown(tmp_path)
 @pytest.mark.slow
 def test_a_sweep_of_ddp_jobs_makes_one_dir_per_job(tmp_path):
     """Job 0 trains in the command's process (one rank) with two intra-op threads, so torch's OpenMP threads start
-    there; job 1's ranks are still forked by the rank fork server, a process with one thread, never by the command."""
+    there; job 1's ranks are still forked by the rank fork server, a process with one thread, never by the command,
+    and run with the thread pools OMP_NUM_THREADS asks for, not the server's one-thread OpenBLAS."""
     sweep = ["distributed.nproc_per_node=1,2", "hydra.sweep.dir=sweep"]
     args = ["-m", *SMALL, "distributed=ddp", "data.batch_size=8", *sweep]
     result = run_cli(*args, cwd=tmp_path, env={"OMP_NUM_THREADS": "2"})
@@ -227,6 +228,9 @@ def test_a_sweep_of_ddp_jobs_makes_one_dir_per_job(tmp_path):
     assert all(record(tmp_path / "sweep" / job)["status"] == "completed" for job in jobs)
     two = record(tmp_path / "sweep" / "1")["engine"]
     assert two["world_size"] == 2 and two["ranks_started_by"] == "forkserver" and two["replicas_identical"]
+    for job in jobs:  # every pool (torch's OpenMP, numpy's OpenBLAS) as OMP_NUM_THREADS asks, in a forked rank too
+        pools = record(tmp_path / "sweep" / job)["host"]["thread_pools"]
+        assert pools and set(pools.values()) == {2}, (job, pools)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no stray run dirs
 
 

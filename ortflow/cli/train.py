@@ -22,6 +22,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from threadpoolctl import threadpool_limits
 from torch.distributed.elastic.multiprocessing.errors import record as record_errors
 
 from ortflow import distributed, preflight
@@ -193,14 +194,17 @@ def rank_main(args: list[str]) -> None:
     `ortflow ARGS` command, as torchrun would start it.
 
     It takes the default signal handlers back, leaves any run dir's lock to its owner and reads its thread count from
-    OMP_NUM_THREADS again. It ends with the command's status; a rank stopped by SIGTERM (checkpoint written) ends
-    with 143, which the launching command reads as a stop: the run's record says "preempted"."""
+    OMP_NUM_THREADS again, for torch and every thread pool threadpoolctl finds (the BLAS and OpenMP libraries). It
+    ends with the command's status; a rank stopped by SIGTERM (checkpoint written) ends with 143, which the launching
+    command reads as a stop: the run's record says "preempted"."""
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     forget_held()
     GlobalHydra.instance().clear()
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    threads = int(os.environ["OMP_NUM_THREADS"])
+    torch.set_num_threads(threads)
+    threadpool_limits(threads)  # every pool, numpy's OpenBLAS too (the fork server kept it to one thread)
     sys.argv = [sys.argv[0], *args]
     try:
         main()

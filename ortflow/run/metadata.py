@@ -40,6 +40,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def thread_pools() -> dict[str, int]:
+    """The threads of every BLAS and OpenMP pool loaded in this process (threadpoolctl), by library file."""
+    from threadpoolctl import threadpool_info
+
+    return {Path(pool["filepath"]).name: int(pool["num_threads"]) for pool in threadpool_info()}
+
+
 def host() -> dict[str, Any]:
     gpus = (
         [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
@@ -49,6 +56,7 @@ def host() -> dict[str, Any]:
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "thread_pools": thread_pools(),
         "gpus": gpus,
     }
 

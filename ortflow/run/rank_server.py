@@ -12,7 +12,8 @@ Runtime's pools start on first use, which never comes here.
 
 `start` starts it (the command calls it as early as it can: `ortflow/__main__.py` before the command imports torch
 when its arguments ask for distributed=ddp, `launch.start_rank_server` in any case). Imported in the server, this
-module sets it to end with the command (the parent-death signal; each rank has it set on the server in turn) and
+module sets it to end with the command (the parent-death signal where the command's main thread started it, and
+multiprocessing's own end-of-file on a pipe from the command; each rank has the signal set on the server in turn) and
 records for each fork the threads the server had (`threads_at_fork`, checked by the rank that fork made:
 `check_forked_alone`). A rank also finds here the server's process id (its parent) and environment (to tell the
 variables torchrun's agent set for it from those the server started with).
@@ -26,6 +27,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 PARENT = "ORTFLOW_RANK_SERVER_PARENT"  # in the fork server's environment: the pid of the command that started it
+# In the fork server's environment: "1" where the command's main thread started it. The parent-death signal fires
+# when the *thread* that forked a process ends, so the server sets it only then; started from another thread (a
+# sweep's launcher thread) it ends with the command by the end-of-file multiprocessing's fork server reads on its
+# pipe from the command (the command's process, whichever thread started it).
+FROM_MAIN_THREAD = "ORTFLOW_RANK_SERVER_FROM_MAIN_THREAD"
 SERVER_PID = os.getpid()
 BASE_ENVIRON = dict(os.environ)
 _at_fork: list[int | None] = []  # the threads this process had when it last forked (set in the fork server)
@@ -46,7 +52,7 @@ def _before_fork() -> None:
 def _serve() -> None:
     """In the fork server, as it imports this module: end with the command that started it (the parent-death
     signal; its ranks end with it in turn), and count threads at every fork."""
-    if sys.platform.startswith("linux"):
+    if sys.platform.startswith("linux") and os.environ.get(FROM_MAIN_THREAD) == "1":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != int(os.environ[PARENT]):  # the command died before the signal was set up
         os._exit(0)
@@ -101,7 +107,11 @@ def start(preload: list[str]) -> None:
     from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload([__name__, *preload])
-    with _environ_set({"OPENBLAS_NUM_THREADS": "1", PARENT: str(os.getpid())}):  # the server copies the environment
+    import threading
+
+    from_main = "1" if threading.current_thread() is threading.main_thread() else "0"
+    server_environ = {"OPENBLAS_NUM_THREADS": "1", PARENT: str(os.getpid()), FROM_MAIN_THREAD: from_main}
+    with _environ_set(server_environ):  # the server copies the environment
         forkserver.ensure_running()
 
 

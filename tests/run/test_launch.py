@@ -90,3 +90,40 @@ def test_ranks_that_all_stop_on_a_users_error_end_the_launch_with_2(tmp_path):
     cfg = make_cfg("distributed=ddp", "distributed.nproc_per_node=2")
     assert launch.run_torchrun(cfg, tmp_path, ["2"], [], ranks.exit_with) == 2
     assert launch.run_torchrun(cfg, tmp_path, ["3"], [], ranks.exit_with) == 1
+
+
+SERVER_FROM_A_THREAD = """
+import os, sys, threading, time
+from multiprocessing import forkserver
+from ortflow.run import rank_server
+def start_and_return_later():
+    rank_server.start([])
+    time.sleep(1.5)  # the server has set itself up meanwhile
+
+started = threading.Thread(target=start_and_return_later)
+started.start()
+started.join()  # the thread that started the server has ended
+time.sleep(1.0)
+pid = forkserver._forkserver._forkserver_pid
+try:  # a zombie (state Z) is a dead process its parent has not reaped
+    alive = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+except OSError:
+    alive = False
+print(pid, alive, flush=True)
+"""
+
+
+def test_a_rank_server_started_from_a_thread_lives_until_the_command_ends(tmp_path):
+    """The parent-death signal fires when the thread that forked a process ends: a server started from a thread
+    other than the main one (a sweep's launcher thread) does not take it, and ends with the command's process
+    instead (multiprocessing's end-of-file on the command's pipe)."""
+    done = subprocess.run(
+        [sys.executable, "-c", SERVER_FROM_A_THREAD], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    pid, alive = done.stdout.split()
+    assert alive == "True", "the server died with the thread that started it"
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:  # ended with the command
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists() or "(Z)" in Path(f"/proc/{pid}/stat").read_text()
