@@ -24,7 +24,9 @@ RANGE_TESTS ?= tests/accel/compat/test_compat.py tests/accel/test_engines.py tes
 	tests/test_distributed.py tests/accel/graph/test_graph_fixes.py tests/run/test_features.py tests/accel/test_vision_engines.py tests/accel/graph/test_aten_layer_norm.py \
 	tests/model/test_hf.py tests/run/test_lm_runs.py tests/model/test_batch_dependence.py tests/accel/test_precision.py tests/accel/test_engine_gaps.py \
 	tests/accel/graph/test_ops_without_gradient.py tests/accel/graph/test_aten_gelu.py tests/accel/graph/test_bf16_weights.py \
-	tests/accel/graph/test_aten_cross_entropy.py tests/accel/test_compile.py
+	tests/accel/graph/test_aten_cross_entropy.py tests/accel/test_compile.py tests/accel/graph/test_graph_plan.py \
+	tests/accel/test_hooks.py tests/check/test_parity.py tests/check/test_planted.py \
+	tests/accel/graph/test_decomposition_precision.py tests/accel/graph/test_bf16_edges.py
 BIN := $(VENV)/bin
 TRAIN_STAMP := $(VENV)/.ortflow-train
 TEST_STAMP := $(VENV)/.ortflow-test
