@@ -27,7 +27,7 @@ from ortflow.accel.compat import export_warnings, ort, torch_onnx, versions
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.graph import aten_cross_entropy, aten_nodes, batchnorm, bf16_weights, pipeline
 from ortflow.accel.graph import plan as graph_plan
-from ortflow.accel.graph.plan import GraphSettings, NoPortablePath
+from ortflow.accel.graph.plan import GraphSettings
 from ortflow.accel.graph.rewrites import MaskSampler
 from ortflow.accel.none import debug_problems
 from ortflow.config import OptimConfig, OptimName
@@ -107,18 +107,25 @@ def custom_functions(model: nn.Module, layout: Layout, inputs: tuple[torch.Tenso
 
 
 @contextlib.contextmanager
-def _cannot_train(what: str, by: str = "ORT's training API", model: nn.Module | None = None) -> Iterator[None]:
+def _cannot_train(
+    what: str, by: str = "ORT's training API", model: nn.Module | None = None, plan: graph_plan.GraphPlan | None = None
+) -> Iterator[None]:
     """Errors while the model is exported or ORT builds or loads its graphs, as one paragraph naming the op, the
-    module of `model` that produced it, and what works instead (accel/failures.py)."""
+    module of `model` that produced it, and what works instead (accel/failures.py); one at what the graph work wrote
+    into the graphs made under `plan` is possibly ortflow's (failures.GraphWorkError)."""
     try:
         yield
-    except (RuntimeError, ValueError, AssertionError, onnx.checker.ValidationError, OSError, NoPortablePath) as err:
+    except failures.GraphWorkError:
+        raise
+    except (*failures.engine_errors(), onnx.checker.ValidationError, OSError) as err:
         if (refused := failures.no_portable_path(err, NAME, model)) is not None:
             raise refused from None
         if (failure := as_write_failure(err, "the run dir's onnx/ folder")) is not None:
             raise failure from err  # the model is fine: the disk is full
         if isinstance(err, OSError) or not failures.is_model_limit(err):
             raise  # ortflow's own bug, or the user's code: the traceback says where
+        if (where := failures.written_by_ortflow(err, plan)) is not None:
+            raise failures.possibly_ortflows(err, NAME, f"{what} ({by})", where) from err
         raise OrtflowError(failures.paragraph(err, NAME, f"{what} ({by})", model, INSTEAD)) from err
 
 
@@ -240,7 +247,8 @@ class ArtifactsEngine:
         self.intra_op_threads = settings.intra_op_threads
         self.allow_spinning = settings.allow_spinning and not self.aten_nodes
         ort.apply_session_settings(self.options, self.intra_op_threads, self.allow_spinning)
-        with terminal.native_stderr("onnxruntime"), _cannot_train("load its training and eval graphs", model=model):
+        loading = _cannot_train("load its training and eval graphs", model=model, plan=self.plan)
+        with terminal.native_stderr("onnxruntime"), loading:
             self._open(self.onnx_dir / "checkpoint", ctx.optim.lr)
         params = dict(model.named_parameters())
         self.trainable = [_PREFIX + n for n, p in params.items() if p.requires_grad]
@@ -296,7 +304,7 @@ class ArtifactsEngine:
         with (
             terminal.native_stderr("onnxruntime"),
             ort.quiet_root_logger(),
-            _cannot_train("build its training graph", "generate_artifacts", model),
+            _cannot_train("build its training graph", "generate_artifacts", model, self.plan),
         ):
             artifacts.generate_artifacts(
                 forward,
@@ -413,7 +421,7 @@ class ArtifactsEngine:
             feeds = self._feeds(tensors, padded, train=True)
             with (
                 torch.profiler.record_function("ortflow::ort_training_graph"),
-                failures.explained(NAME, "run a training step", self.model, INSTEAD),
+                failures.explained(NAME, "run a training step", self.model, INSTEAD, self.plan),
             ):
                 loss = self._training_forward(feeds)
             losses.append(loss * self.accumulate)
@@ -457,7 +465,7 @@ class ArtifactsEngine:
         tensors, padded = pad_eval_batch(self.layout.flatten(inputs), targets, self.batch_size)
         self.module.eval()
         self._serve_frozen_weights()
-        with failures.explained(NAME, "run an evaluation step", self.model, INSTEAD):
+        with failures.explained(NAME, "run an evaluation step", self.model, INSTEAD, self.plan):
             _, output = self.module(*self._feeds(tensors, padded, train=False))
         self.evals += 1
         output = torch.from_numpy(np.asarray(output))

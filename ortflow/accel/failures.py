@@ -2,7 +2,10 @@
 produced it), why (ORT's or torch's own reason, without its source locations), and what works instead.
 
 Only for what ORT or torch's exporter cannot do with the model (`is_model_limit`): a known message of theirs, or an
-exception raised inside them. An exception raised in ortflow's own code is ortflow's bug and keeps its traceback
+exception raised inside them, at an op of the model. One at a node ortflow's graph work wrote (a rewrite's node, an
+ATen node running an ortflow operator, their gradients) or about a value such a node produced is possibly ortflow's
+(`written_by_ortflow`, GraphWorkError: traceback kept, exit 1), unless the op is on the documented list of what ORT
+cannot train. An exception raised in ortflow's own code is ortflow's bug and keeps its traceback
 (the command says so and exits with 1), whatever its type; one raised in the user's own code keeps it too.
 
 ORT's exceptions embed C++ signatures, whole Python tracebacks and graph node names; the node names carry the
@@ -114,6 +117,72 @@ def no_portable_path(
     )
 
 
+# ORT's messages about a value of a node (type inference: "... of input parameter (NAME) of operator (OP) in node
+# (NODE) is invalid"; shape errors name the node's inputs the same way)
+_VALUE = re.compile(r"input parameter \((?P<value>[^)]+)\)|input arg \((?P<arg>[^)]+)\)")
+
+
+_TYPE_OR_SHAPE = re.compile(
+    r"Type Error|ShapeInferenceError|inconsistent type|bound to different types|Incompatible dimensions|shape mismatch"
+)
+
+
+def engine_errors() -> tuple[type[BaseException], ...]:
+    """What an ORT engine's export, graph build and steps raise: Python's errors, ORT's own exception classes (its
+    pybind layer's: Fail, InvalidArgument, InvalidGraph, ...; plain Exceptions) and ONNX's shape inference's."""
+    from onnx.shape_inference import InferenceError
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    ort = tuple(
+        value
+        for value in vars(state).values()
+        if isinstance(value, type) and issubclass(value, Exception) and value.__module__ == state.__name__
+    )
+    python = (RuntimeError, ValueError, AssertionError, TypeError, NotImplementedError, NoPortablePath)
+    return (*python, InferenceError, *ort)
+
+
+class GraphWorkError(RuntimeError):
+    """ORT failed at a node ortflow's graph work wrote, or on a value one produced: possibly a bug in ortflow (the
+    command keeps the traceback and exits with 1), not a limit of the model."""
+
+
+def written_by_ortflow(err: BaseException, plan: GraphPlan | None) -> str | None:
+    """The node or value ortflow's graph work wrote that ORT's or torch's message about `err` names (a node ORT
+    built the gradient of one of them, `<node>_Grad/...`, included); None where it names none of them. An op on the
+    documented list of what ORT cannot train (no gradient builder, no CPU kernel) is the model's, wherever it is."""
+    if plan is None or not (plan.written_nodes or plan.written_values):
+        return None
+    text = _all_text(err)
+    if "gradient builder has not been registered" in text or "Could not find an implementation" in text:
+        return None
+    _, node = op_and_node(text)
+    named = [node] if node else []
+    named += re.findall(r"Name:'([^']+)'|node with name '([^']+)'|in node \(([^)]+)\)|node name: ([^)\s]+)", text)
+    typing = bool(_TYPE_OR_SHAPE.search(text))
+    for found in named:
+        for name in found if isinstance(found, tuple) else (found,):
+            if name and (name in plan.written_nodes or name.split("_Grad/")[0] in plan.written_nodes):
+                return f"graph node {name}"
+            if name and typing and name in plan.written_readers:  # a type or shape ortflow's node handed on
+                return f"graph node {name} (reading a value ortflow's graph work wrote)"
+    for found in _VALUE.finditer(text):
+        value = found.group("value") or found.group("arg")
+        if value in plan.written_values:
+            return f"value {value}"
+    return None
+
+
+def possibly_ortflows(err: BaseException, engine: str, stage: str, where: str) -> GraphWorkError:
+    """The error for a failure at what ortflow's graph work wrote (`where`), chained to ORT's."""
+    return GraphWorkError(
+        f"accel={engine} could not {stage}: ONNX Runtime failed at {where}, which ortflow's graph work wrote into "
+        f"the graph, not at an op of your model ({_reason(err)}). This is possibly a bug in ortflow: please report it "
+        "with this traceback. The graph settings (accel.rewrite_*, accel.aten_*, accel.bf16_edges; docs/engines.md) "
+        "turn ortflow's rewrites off one by one, to train meanwhile."
+    )
+
+
 def is_model_limit(err: BaseException) -> bool:
     """Whether `err` says what ORT or torch's exporter cannot do with the model (a known message of theirs, or raised
     inside them), rather than a bug of ortflow's or an error of the user's own code."""
@@ -168,16 +237,21 @@ def _reason(err: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def explained(engine: str, stage: str, model: nn.Module | None, instead: str) -> Iterator[None]:
+def explained(
+    engine: str, stage: str, model: nn.Module | None, instead: str, plan: GraphPlan | None = None
+) -> Iterator[None]:
     """Turn an engine's exception inside into one OrtflowError paragraph (memory failures and ortflow's own errors
-    pass through: the runner explains those)."""
+    pass through: the runner explains those); one at what ortflow's graph work wrote into the graphs made under
+    `plan` becomes a GraphWorkError (possibly ortflow's)."""
     try:
         yield
-    except OrtflowError:
+    except (OrtflowError, GraphWorkError):
         raise
-    except (RuntimeError, ValueError, AssertionError, TypeError, NotImplementedError, NoPortablePath) as err:
+    except engine_errors() as err:
         if (refused := no_portable_path(err, engine, model)) is not None:
             raise refused from None
         if is_allocation_failure(err) or not is_model_limit(err):
             raise
+        if (where := written_by_ortflow(err, plan)) is not None:
+            raise possibly_ortflows(err, engine, stage, where) from err
         raise OrtflowError(paragraph(err, engine, stage, model, instead)) from err

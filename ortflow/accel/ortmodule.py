@@ -187,19 +187,16 @@ class ORTModuleEngine:
                 ortmodule_patches.ortmodule_scope(self.session, self.runs, self.graph_fixes),
             ):
                 return step(inputs, targets)
-        except (
-            ortmodule_patches.ortmodule_fallback_error(),
-            RuntimeError,
-            ValueError,
-            AssertionError,
-            TypeError,
-            graph_plan.NoPortablePath,
-        ) as err:
+        except (ortmodule_patches.ortmodule_fallback_error(), *failures.engine_errors()) as err:
             if (refused := failures.no_portable_path(err, NAME, self.user_model, self.plan)) is not None:
                 raise refused from None
-            if isinstance(err, OrtflowError) or is_allocation_failure(err) or not failures.is_model_limit(err):
+            if isinstance(err, OrtflowError | failures.GraphWorkError) or is_allocation_failure(err):
+                raise
+            if not failures.is_model_limit(err):
                 raise  # ortflow's own bug, or the user's code: the traceback says where
             stage = f"export, build and run its first {mode} step" if first else f"run a {mode} step"
+            if (where := failures.written_by_ortflow(err, self.plan)) is not None:
+                raise failures.possibly_ortflows(err, NAME, stage, where) from err
             instead = (
                 "Set accel.fallback=warn to let PyTorch run it instead (recorded as executed_by=pytorch), or use "
                 "accel=artifacts or accel=none."

@@ -5,10 +5,15 @@ Through the command line: exit status 2, no traceback, run.json `failed` with th
 import importlib
 import json
 
+import numpy as np
+import onnx
 import pytest
 import torch
+from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
+from ortflow.accel import failures
+from ortflow.accel.graph import aten_conv, aten_nodes, pipeline
 from ortflow.errors import OrtflowError
 from tests.accel.test_vision_engines import images, make_engine
 from tests.conftest import TINY, USER_ENV, custom_model
@@ -67,8 +72,10 @@ def test_an_op_without_an_ort_gradient_is_named_with_its_module(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_kernel_raising_at_step_time_is_named_with_its_module(kind, tmp_path, monkeypatch):
-    """torch's convolution backward, run inside ORT's graph by an ATen node, raises from the second step on."""
+def test_a_kernel_raising_in_ortflows_node_at_step_time_is_possibly_ortflows(kind, tmp_path, monkeypatch):
+    """torch's convolution backward, run inside ORT's graph by ortflow's ATen node, raises from the second step on:
+    the node is ortflow's (with accel.aten_conv=false ORT's own Conv would run), so the failure is not called the
+    model's limit; it keeps its traceback (GraphWorkError), naming the node and ORT's reason."""
     calls = {"n": 0}
     backward = torch.ops.aten.convolution_backward
 
@@ -81,11 +88,72 @@ def test_a_kernel_raising_at_step_time_is_named_with_its_module(kind, tmp_path, 
     # torch.optim imports torch._dynamo on first use, which reads convolution_backward's overloads: imported first.
     importlib.import_module("torch._dynamo")
     monkeypatch.setattr(torch.ops.aten, "convolution_backward", raising)
-    message = failure(kind, "relu", tmp_path, steps=2)
-    assert "run a train" in message or (
-        "run a training step" in message and "the ONNX op ATen of module body.conv (Conv2d)" in message
+    message = ortflows(kind, tmp_path, steps=2)
+    assert "conv" in message and "injected kernel failure" in message
+
+
+def ortflows(kind: str, tmp_path, steps: int = 1) -> str:
+    """The GraphWorkError an engine raises on Net("relu") (the message, checked to say it is possibly ortflow's)."""
+    batches = images(steps)
+    with pytest.raises(failures.GraphWorkError) as raised:
+        engine = make_engine(kind, Net("relu"), batches[0], tmp_path)
+        for x, y in batches:
+            engine.train_step(x, y)
+    message = str(raised.value)
+    assert f"accel={kind} could not" in message and "which ortflow's graph work wrote" in message, message
+    assert "possibly a bug in ortflow" in message
+    return message
+
+
+def _head_input(model: onnx.ModelProto) -> onnx.NodeProto:
+    """The node of the head (nn.Linear: Gemm, or MatMul) that reads the pooled features."""
+    return next(n for n in model.graph.node if "/head/" in n.name and n.op_type in ("Gemm", "MatMul"))
+
+
+def invalid_reshape(model: onnx.ModelProto, plan, work) -> None:
+    """A rewrite that builds an invalid graph: the head's input reshaped to a size it does not have."""
+    head = _head_input(model)
+    shape = helper.make_node("Constant", [], ["planted/shape"], value=numpy_helper.from_array(np.array([7, 3])))
+    reshape = helper.make_node(
+        "Reshape", [head.input[0], "planted/shape"], ["planted/reshaped"], name="planted/Reshape"
     )
-    assert "injected kernel failure" in message
+    head.input[0] = "planted/reshaped"
+    _before(model, head, [shape, reshape])
+
+
+def wrong_dtype(model: onnx.ModelProto, plan, work) -> None:
+    """A rewrite that hands ORT a value of the wrong dtype: the head's input cast to float64."""
+    head = _head_input(model)
+    cast = helper.make_node("Cast", [head.input[0]], ["planted/cast"], name="planted/Cast", to=TensorProto.DOUBLE)
+    head.input[0] = "planted/cast"
+    _before(model, head, [cast])
+
+
+def wrong_shape_into_torch(model: onnx.ModelProto, plan, work) -> None:
+    """ortflow's convolution node given its weight transposed (a wrong shape into torch's kernel)."""
+    conv = next(n for n in model.graph.node if aten_nodes.operator(n) == aten_conv.OPERATOR)
+    flip = helper.make_node(
+        "Transpose", [conv.input[1]], ["planted/weight"], name="planted/Transpose", perm=[1, 0, 2, 3]
+    )
+    conv.input[1] = "planted/weight"
+    _before(model, conv, [flip])
+
+
+def _before(model: onnx.ModelProto, node: onnx.NodeProto, added: list[onnx.NodeProto]) -> None:
+    nodes = list(model.graph.node)
+    at = next(i for i, n in enumerate(nodes) if n is node or n == node)
+    del model.graph.node[:]
+    model.graph.node.extend([*nodes[:at], *added, *nodes[at:]])
+
+
+@pytest.mark.parametrize("plant", [invalid_reshape, wrong_dtype, wrong_shape_into_torch])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rewrite_that_breaks_the_graph_is_reported_as_possibly_ortflows(kind, plant, tmp_path):
+    """Realistic bugs of ortflow's graph work, planted as its last step: ORT's error names a node (or value) ortflow
+    wrote, so the failure is not blamed on the model (no paragraph telling the user to switch engines)."""
+    with pipeline.planted(plant):
+        message = ortflows(kind, tmp_path)
+    assert "graph node " in message or "value planted/" in message, message
 
 
 def test_the_command_line_exits_2_with_the_paragraph_and_records_it(tmp_path, ortflow_cli, monkeypatch):

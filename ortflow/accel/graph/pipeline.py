@@ -78,6 +78,7 @@ def prepare(model: onnx.ModelProto, plan: GraphPlan, work: GraphWork) -> GraphWo
     Raises:
         NoPortablePath: a portable plan left an ATen node in the graph (an operator with no ORT-native export).
     """
+    exported = {node.name for node in model.graph.node}
     for op in ops_in_order():
         before = dict(work.fixes)
         op.rewrite(model, plan, work)
@@ -91,6 +92,7 @@ def prepare(model: onnx.ModelProto, plan: GraphPlan, work: GraphWork) -> GraphWo
     if (plant := _PLANTED.get()) is not None:
         plant(model, plan, work)
         torch_nodes = aten_nodes.count_all(model)
+    _record_written(model, exported, plan)
     work.fixes.update(aten_nodes.graph_fixes(torch_nodes))
     work.torch_nodes = sum(torch_nodes.values())
     if plan.target is Target.portable:
@@ -102,6 +104,19 @@ def prepare(model: onnx.ModelProto, plan: GraphPlan, work: GraphWork) -> GraphWo
     if work.fixes:
         log.debug("graph fixes applied: %s", work.fixes)
     return work
+
+
+def _record_written(model: onnx.ModelProto, exported: set[str], plan: GraphPlan) -> None:
+    """Note in the plan the nodes of the prepared graph the graph work wrote (not in the exported graph `exported`,
+    or ATen nodes running an ortflow operator), the values they produce and the model's nodes that read them."""
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            continue
+        if node.name not in exported or (aten_nodes.operator(node) or "").startswith("ortflow::"):
+            plan.written_nodes.add(node.name or node.output[0])
+            plan.written_values.update(name for name in node.output if name)
+        elif any(name in plan.written_values for name in node.input):
+            plan.written_readers.add(node.name)
 
 
 def torch_node_names(model: onnx.ModelProto) -> list[str]:

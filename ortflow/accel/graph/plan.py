@@ -222,6 +222,12 @@ class GraphPlan:
     refusals: list[NoPortablePath] = field(default_factory=list, compare=False)
     # The ops whose rewrites changed a graph made under this plan (the pipeline adds them)
     applied: set[str] = field(default_factory=set, compare=False)
+    # The nodes ortflow's graph work wrote into the graphs made under this plan (the rewrites' nodes, and the ATen
+    # nodes running ortflow's operators), and the values they produce: an error that ORT raises at one of them, or
+    # about one of those values, is possibly ortflow's, not the model's (accel/failures.py: written_by_ortflow)
+    written_nodes: set[str] = field(default_factory=set, compare=False)
+    written_values: set[str] = field(default_factory=set, compare=False)
+    written_readers: set[str] = field(default_factory=set, compare=False)  # the model's nodes reading such values
 
     @classmethod
     def compute(cls, settings: Any, precision: str, engine: str) -> "GraphPlan":
