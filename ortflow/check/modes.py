@@ -3,7 +3,6 @@ and the same initial weights (dropout off): whether it trains, the losses, step-
 the graph fixes, and eager's own noise floor for the verdict (parity.py)."""
 
 import copy
-import functools
 import itertools
 import math
 import statistics
@@ -100,9 +99,8 @@ def try_mode(
     model: Callable[[DictConfig, Data], nn.Module],
     reference: list[float] | None = None,
     grads: bool = True,
-    skip: int = 0,
 ) -> dict[str, Any]:
-    """Train `steps` steps of the model `model(cfg, data)` builds in `mode`, on the batches after the first `skip`;
+    """Train `steps` steps of the model `model(cfg, data)` builds in `mode`, on its first batches;
     a row of the table (with `grads`, what its first step leaves under "step_one": capture.StepOne)."""
     row: dict[str, Any] = {"mode": mode}
     try:
@@ -112,7 +110,7 @@ def try_mode(
         seed_everything(cfg.seed)
         data = build_data(cfg)
         built = model(cfg, data)
-        batches = list(itertools.islice(ResumableBatches(data.train), skip, skip + steps))
+        batches = list(itertools.islice(ResumableBatches(data.train), steps))
         with tempfile.TemporaryDirectory(prefix="ortflow-check-") as tmp:
             engine = accel.build(cfg.accel, engine_context(cfg, built, data, Path(tmp)))
             losses, times = [], []
@@ -173,13 +171,13 @@ def _without_precision(overrides: list[str]) -> list[str]:
     return [o for o in overrides if not o.lstrip("+~").startswith("trainer.precision=")]
 
 
-def _noise_runs(settings: list[str], steps: int, precision: str, skip: int = 0) -> list[dict[str, Any]]:
+def _noise_runs(settings: list[str], steps: int, precision: str) -> list[dict[str, Any]]:
     """Eager again from weights moved by one ulp of the precision it computes in (bf16's with bf16-mixed)."""
     dtype = torch.bfloat16 if precision == BF16 else torch.float32
     runs = []
     for seed in one_ulp.NOISE_SEEDS:
         moved = lambda cfg, data, seed=seed: one_ulp.perturbed(fresh_model(cfg, data), seed, dtype)  # noqa: E731
-        runs.append(try_mode("none", settings, steps, moved, skip=skip))
+        runs.append(try_mode("none", settings, steps, moved))
     return runs
 
 
@@ -188,40 +186,21 @@ def settings_in(overrides: list[str], precision: str) -> list[str]:
     return [*_without_precision(overrides), f"trainer.precision={precision}"]
 
 
-def reference(settings: list[str], steps: int, skip: int = 0) -> tuple[dict[str, Any], parity.Envelope | None]:
-    """Eager's row and its own noise (None where eager did not train) for the config `settings` describe, on the
-    batches after the first `skip`."""
-    eager = try_mode("none", settings, steps, fresh_model, skip=skip)
+def reference(settings: list[str], steps: int) -> tuple[dict[str, Any], parity.Envelope | None]:
+    """Eager's row and its own noise (None where eager did not train) for the config `settings` describe."""
+    eager = try_mode("none", settings, steps, fresh_model)
     if not eager["trains"]:
         return eager, None
     precision = str(_compose(settings, "none").trainer.precision)
-    return eager, parity.Envelope.measure(eager, _noise_runs(settings, steps, precision, skip), precision)
+    return eager, parity.Envelope.measure(eager, _noise_runs(settings, steps, precision), precision)
 
 
-def next_batch_envelope(settings: list[str], steps: int) -> Callable[[], parity.Envelope | None]:
-    """Eager's envelope from the next batch (reference with skip=1), measured once when first asked for: every
-    engine's row of one precision that `judged` judges again shares it."""
-    return functools.cache(lambda: reference(settings, steps, skip=1)[1])
-
-
-def judged(
-    mode: str,
-    settings: list[str],
-    steps: int,
-    envelope: parity.Envelope | None,
-    next_envelope: Callable[[], parity.Envelope | None] | None = None,
-) -> dict[str, Any]:
-    """`mode`'s row, with its verdict against eager's envelope when both trained. A row that differs only by step-1
-    gradients over their tolerance (and perhaps its later losses) is judged again from the next batch, as a kink that
-    rounding flipped would (parity.confirm), against `next_envelope()` (default: next_batch_envelope)."""
+def judged(mode: str, settings: list[str], steps: int, envelope: parity.Envelope | None) -> dict[str, Any]:
+    """`mode`'s row, with its verdict against eager's envelope when both trained."""
     row = try_mode(mode, settings, steps, fresh_model)
     if envelope is not None and row["trains"]:
         cfg = _compose(settings, mode)
         row["verdict"] = parity.judge(row, envelope, cfg.optim, cfg.trainer.grad_clip)
-        if parity.may_be_a_kink(row):
-            next_envelope = next_envelope or next_batch_envelope(settings, steps)
-            again = try_mode(mode, settings, steps, fresh_model, skip=1)
-            row["verdict"] = parity.confirm(row, next_envelope(), again, cfg.optim, cfg.trainer.grad_clip)
     return row
 
 
@@ -282,9 +261,8 @@ def _check(
             envelopes[precision] = envelope.record()
         if "none" in modes:
             rows.append(eager | {"precision": precision})
-        next_envelope = next_batch_envelope(settings, steps)
         for mode in [m for m in modes if m != "none"]:
-            rows.append(judged(mode, settings, steps, envelope, next_envelope) | {"precision": precision})
+            rows.append(judged(mode, settings, steps, envelope) | {"precision": precision})
     for row in rows:
         row.pop("step_one", None)
     report = {
