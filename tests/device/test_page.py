@@ -17,11 +17,12 @@ from ortflow.run.reload import rebuild
 from ortflow.step import loss as losses
 from tests.device import page as browser
 from tests.device.conftest import require
-from tests.device.test_export import exported  # noqa: F401 (the sets, trained and exported once per session)
+from tests.device.test_export import _export, _train, exported  # noqa: F401 (the sets: once per session)
 
 pytestmark = [pytest.mark.device, pytest.mark.browser]
 
-TEXT = " ".join(["the quick brown fox jumps over the lazy dog, and the dog sleeps on."] * 40)
+# Mostly ASCII, with multi-byte characters (UTF-8 bytes, or BPE words of byte-level symbols) in every line.
+TEXT = " ".join(["the quick brown fox jumps over the lazy dog, and the dog sleeps on. café naïve 😀 —"] * 40)
 COLOURS = {"cats": 0, "dogs": 2}  # each label's dominant channel
 
 
@@ -40,9 +41,23 @@ def _falls(values: list[float]) -> bool:
     return np.mean(values[-5:]) < np.mean(values[:5]) - 0.2
 
 
-def test_the_page_trains_the_language_model_on_a_text_file_and_continues_a_prompt(exported, tmp_path):  # noqa: F811
+@pytest.fixture(scope="module")
+def bpe_set(tmp_path_factory) -> tuple[Path, dict]:
+    """The tiny transformer trained 3 steps on ortflow's own byte-level BPE (vocabulary 300), exported with the page."""
+    run_dir = _train(tmp_path_factory.mktemp("bpe"), "transformer-bpe", "data.tokenizer=bpe", "data.bpe_vocab_size=300")
+    return run_dir, _export(run_dir, "--web")
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_the_page_trains_the_language_model_on_a_text_file_and_continues_a_prompt(
+    exported,  # noqa: F811
+    bpe_set,
+    tokenizer,
+    tmp_path,
+):
     require("npm", "the page's onnxruntime-web comes from npm")
-    run_dir, manifest = exported["transformer"]
+    run_dir, manifest = exported["transformer"] if tokenizer == "bytes" else bpe_set
+    assert manifest["preprocessing"]["tokenizer"]["kind"] == tokenizer
     folder = run_dir / export_artifacts.FOLDER
     (folder / "mine.txt").write_text(TEXT)
     page = browser.run(
@@ -51,11 +66,18 @@ def test_the_page_trains_the_language_model_on_a_text_file_and_continues_a_promp
     assert page["status"] == "done" and page["mode"] == "text", page
     assert _falls(page["losses"]), page["losses"]
     assert page["prompt"] == "the quick" and page["continuation"], page
-    # The held-out windows, made here as the manifest prescribes (UTF-8 bytes, windows of block_size, next tokens).
+    # The held-out windows, made here as the manifest prescribes (UTF-8 bytes, or the set's tokenizer.json read by
+    # Hugging Face tokenizers: the page's own BPE must encode as it does), windows of block_size, next tokens.
+    if tokenizer == "bytes":
+        ids = list(TEXT.encode())
+    else:
+        from tokenizers import Tokenizer
+
+        ids = Tokenizer.from_file(str(folder / manifest["preprocessing"]["tokenizer"]["file"])).encode(TEXT).ids
     block, held = manifest["preprocessing"]["block_size"], page["heldOut"]
-    tokens = torch.tensor(list(TEXT.encode()))
-    assert held["bytes"] == len(tokens) and held["windows"] == (len(tokens) - held["fromByte"] - 1) // block
-    starts = [held["fromByte"] + i * block for i in range(held["windows"])]
+    tokens = torch.tensor(ids)
+    assert held["tokens"] == len(tokens) and held["windows"] == (len(tokens) - held["fromToken"] - 1) // block
+    starts = [held["fromToken"] + i * block for i in range(held["windows"])]
     inputs = torch.stack([tokens[s : s + block] for s in starts])
     targets = torch.stack([tokens[s + 1 : s + block + 1] for s in starts])
     model, cfg = _imported(run_dir, folder, page, tmp_path)

@@ -11,8 +11,8 @@
 //   console.log(await set.continueText("def main(", { tokens: 80 }));   // a language model's continuation
 //   const params = await set.parameters();                     // bytes for ortflow-import-artifacts
 //
-// What the batches are, from the manifest's "preprocessing": text as UTF-8 bytes (the set's tokenizer must be
-// "bytes"), windows of block_size tokens and each position's next token; images decoded, the shorter side resized to
+// What the batches are, from the manifest's "preprocessing": text as token ids (UTF-8 bytes, or ortflow's own
+// byte-level BPE from the set's tokenizer.json), windows of block_size tokens and each position's next token; images decoded, the shorter side resized to
 // eval_resize, centre-cropped to image_size, scaled to 0..1 and normalised per channel, one folder per label. The
 // batch shape is the set's (static): training batches are always full (samples drawn round a shuffled cycle of the
 // data, as many steps as asked); the last evaluation batch is padded with targets the loss ignores (ignore_index).
@@ -73,7 +73,82 @@ export async function openSet(url, { ort = globalThis.ort } = {}) {
   const [checkpointState, trainModel, evalModel, optimizerModel] = await Promise.all(
     ["checkpoint", "training_model", "eval_model", "optimizer_model"].map(load));
   const session = await ort.TrainingSession.create({ checkpointState, trainModel, evalModel, optimizerModel });
-  return new DeviceSet(ort, manifest, session, base);
+  const set = new DeviceSet(ort, manifest, session, base);
+  const tokenizer = (manifest.preprocessing || {}).tokenizer || {};
+  if (tokenizer.kind === "bpe" && tokenizer.file) {
+    const text = new TextDecoder().decode(await fetchBytes(new URL(tokenizer.file, base), `the set's ${tokenizer.file}`));
+    set.bpe = new ByteLevelBPE(JSON.parse(text));
+  }
+  return set;
+}
+
+// GPT-2's byte-to-character map (tokenizers' ByteLevel): printable bytes map to themselves, the others to 256 + n.
+const BYTE_CHARS = (() => {
+  const printable = [];
+  for (const [lo, hi] of [[33, 126], [161, 172], [174, 255]]) for (let b = lo; b <= hi; b++) printable.push(b);
+  const chars = new Array(256);
+  let extra = 0;
+  for (let b = 0; b < 256; b++) chars[b] = String.fromCharCode(printable.includes(b) ? b : 256 + extra++);
+  return chars;
+})();
+const CHAR_BYTES = new Map(BYTE_CHARS.map((c, b) => [c, b]));
+
+/** ortflow's own byte-level BPE (data.tokenizer=bpe) from its tokenizer.json: words split by the tokenizer's regex,
+ * each word's UTF-8 bytes mapped to byte-level characters, then merged by the merges' ranks; what `tokenizers`
+ * computes for such a file. */
+export class ByteLevelBPE {
+  constructor(spec) {
+    const split = ((spec.pre_tokenizer || {}).pretokenizers || []).find((p) => p.type === "Split");
+    if (!split || !spec.model || spec.model.type !== "BPE") {
+      throw new DataError("the set's tokenizer.json is not ortflow's own byte-level BPE: the module cannot encode it.");
+    }
+    this.pattern = new RegExp(split.pattern.Regex, "g");
+    this.vocab = new Map(Object.entries(spec.model.vocab));
+    this.tokens = new Map([...this.vocab].map(([token, id]) => [id, token]));
+    this.ranks = new Map(spec.model.merges.map((m, i) => [Array.isArray(m) ? m.join(" ") : m, i]));
+    this.cache = new Map();
+  }
+
+  encode(text) {
+    const ids = [];
+    const encoder = new TextEncoder();
+    for (const word of text.match(this.pattern) || []) {
+      let found = this.cache.get(word);
+      if (!found) {
+        found = this._merge(Array.from(encoder.encode(word), (b) => BYTE_CHARS[b])).map((t) => this.vocab.get(t));
+        this.cache.set(word, found);
+      }
+      ids.push(...found);
+    }
+    return Int32Array.from(ids);
+  }
+
+  _merge(symbols) {
+    for (;;) {
+      let best = -1, rank = Infinity;
+      for (let i = 0; i + 1 < symbols.length; i++) {
+        const r = this.ranks.get(`${symbols[i]} ${symbols[i + 1]}`);
+        if (r !== undefined && r < rank) [best, rank] = [i, r];
+      }
+      if (best < 0) return symbols;
+      const [left, right] = [symbols[best], symbols[best + 1]];
+      const merged = [];
+      for (let i = 0; i < symbols.length; i++) {
+        if (i + 1 < symbols.length && symbols[i] === left && symbols[i + 1] === right) {
+          merged.push(left + right);
+          i++;
+        } else {
+          merged.push(symbols[i]);
+        }
+      }
+      symbols = merged;
+    }
+  }
+
+  decode(ids) {
+    const chars = Array.from(ids, (id) => this.tokens.get(Number(id)) || "").join("");
+    return new TextDecoder().decode(Uint8Array.from(Array.from(chars, (c) => CHAR_BYTES.get(c) ?? 63)));
+  }
 }
 
 export class DeviceSet {
@@ -110,31 +185,41 @@ export class DeviceSet {
 
   // ---- text ----------------------------------------------------------------------------------------------------
 
-  /** The set's tokenizer applied to text (UTF-8 bytes; a string or the file's bytes). */
+  /** The set's tokenizer applied to text (a string, or a file's UTF-8 bytes): token ids. UTF-8 bytes for a `bytes`
+   * set, ortflow's byte-level BPE for a `bpe` set (its tokenizer.json, loaded by openSet). */
   encode(text) {
     const kind = this.prep.tokenizer && this.prep.tokenizer.kind;
+    if (kind === "bpe" && this.bpe) {
+      return this.bpe.encode(typeof text === "string" ? text : new TextDecoder().decode(text));
+    }
     if (kind !== "bytes") {
-      throw new DataError(`this set's tokenizer is "${kind}"; the page and module tokenize only UTF-8 bytes ` +
-        "(data.tokenizer=bytes, the transformer recipe's). Train the run with data.tokenizer=bytes to train it here.");
+      throw new DataError(`this set's tokenizer is "${kind}"; the page and module tokenize UTF-8 bytes and ortflow's ` +
+        "own BPE (data.tokenizer=bytes or bpe). Train the run with one of them to train it here.");
     }
     return typeof text === "string" ? new TextEncoder().encode(text) : text;
+  }
+
+  /** Token ids back to text. */
+  decode(ids) {
+    return this.bpe ? this.bpe.decode(ids) : new TextDecoder().decode(Uint8Array.from(ids));
   }
 
   /** Windows of the text for training and, from its last `holdout` part, for evaluation. */
   textData(bytes, { holdout = 0.1 } = {}) {
     this._requireKind("text");
-    const tokens = this.encode(bytes);
-    const block = this.prep.block_size;
-    if (tokens.length === 0) throw new DataError("the text file is empty.");
-    if (tokens.includes(0)) throw new DataError("the file holds NUL bytes: it looks binary, not text.");
+    const raw = typeof bytes === "string" ? new TextEncoder().encode(bytes) : bytes;
+    if (raw.length === 0) throw new DataError("the text file is empty.");
+    if (raw.includes(0)) throw new DataError("the file holds NUL bytes: it looks binary, not text.");
     try {
-      new TextDecoder("utf-8", { fatal: true }).decode(tokens);
+      new TextDecoder("utf-8", { fatal: true }).decode(raw);
     } catch {
       throw new DataError("the file is not UTF-8 text (it looks binary): pick a text file.");
     }
+    const tokens = this.encode(raw);
+    const block = this.prep.block_size;
     const least = 2 * (block + 1);
     if (tokens.length < least) {
-      throw new DataError(`the text has ${tokens.length} bytes; this set reads windows of ${block} tokens, so it ` +
+      throw new DataError(`the text has ${tokens.length} tokens; this set reads windows of ${block} tokens, so it ` +
         `needs at least ${least} (one window to train on and one held out to evaluate).`);
     }
     const split = Math.min(tokens.length - (block + 1), Math.max(block + 1, Math.floor(tokens.length * (1 - holdout))));
@@ -144,7 +229,7 @@ export class DeviceSet {
     const evaluation = Array.from({ length: evalWindows }, (_, i) => window(split + i * block));
     // Training windows start anywhere in the first part (each is a sample; a batch draws them round a cycle).
     const train = { length: split - block, sample: (i) => window(i) };
-    return { train, eval: evaluation, heldOut: { fromByte: split, windows: evalWindows, bytes: tokens.length } };
+    return { train, eval: evaluation, heldOut: { fromToken: split, windows: evalWindows, tokens: tokens.length } };
   }
 
   /** The language model's continuation of `prompt` (text), `tokens` bytes long, sampled at `temperature`
@@ -154,20 +239,20 @@ export class DeviceSet {
     const block = this.prep.block_size;
     const random = mulberry32(seed);
     const context = Array.from(this.encode(prompt));
-    if (context.length === 0) context.push(10);  // an empty prompt starts from a new line
+    if (context.length === 0) context.push(...this.encode("\n"));  // an empty prompt starts from a new line
     const made = [];
     for (let n = 0; n < tokens; n++) {
       const window = context.slice(-block);
-      const input = new Uint8Array(block);
+      const input = new Int32Array(block);
       input.set(window);
-      const logits = await this._predict([{ input, target: new Uint8Array(block) }]);
+      const logits = await this._predict([{ input, target: new Int32Array(block) }]);
       const width = this.output.shape[this.output.shape.length - 1];
       const row = logits.subarray((window.length - 1) * width, window.length * width);
       const next = sample(row, temperature, random);
       context.push(next);
       made.push(next);
     }
-    return new TextDecoder().decode(new Uint8Array(made));
+    return this.decode(made);
   }
 
   // ---- images --------------------------------------------------------------------------------------------------

@@ -51,9 +51,12 @@ function escape(text) {
 async function useText(bytes, name) {
   data = set.textData(bytes);
   const held = data.heldOut;
-  $("data-about").textContent = `${name}: ${held.bytes} bytes; training on the first ${held.fromByte}, ` +
+  $("data-about").textContent = `${name}: ${held.tokens} tokens; training on the first ${held.fromToken}, ` +
     `${held.windows} windows of ${set.prep.block_size} held out to evaluate.`;
-  if (!$("prompt").value) $("prompt").value = new TextDecoder().decode(bytes.subarray(held.fromByte, held.fromByte + 24));
+  if (!$("prompt").value) {  // the held-out text's start
+    const tokens = set.encode(bytes);
+    $("prompt").value = set.decode(tokens.subarray(held.fromToken, held.fromToken + 8));
+  }
 }
 
 async function useImages(files, name) {
