@@ -98,6 +98,20 @@ def test_strict_fails_on_a_planted_bug_and_passes_without(monkeypatch):
         check(MLP, STEPS, ["none", "artifacts"], strict=True)
 
 
+def test_a_bug_on_the_first_batch_only_is_not_forgiven(monkeypatch):
+    """A gradient wrong on the first batch and right on every later one (a batch-dependent bug): the row differs. The
+    next-batch rule this check had would have built the engine again on the second batch, found it within, and
+    forgiven the row."""
+    monkeypatch.syspath_prepend(str(REPO))
+    plant = plants.scale_gradient("2.bias", 0.0, "artifacts", first_step_only=True)
+    with plants.declared(), pipeline.planted(plant):
+        report = check(MLP, STEPS, ["none", "artifacts"])
+    row = report["rows"][1]
+    assert row["graph_fixes"]["planted_gradient_scales"] == 1, row
+    assert row["verdict"].startswith("differs: step-1 gradient of '2.bias'"), row["verdict"]
+    assert parity.failures(report)
+
+
 def test_the_command_exits_1_with_strict_when_a_row_differs(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     from ortflow.cli.check import main

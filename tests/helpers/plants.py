@@ -35,9 +35,26 @@ _LIBRARY.impl("scale_gradient", lambda x, scale: x.clone(), "CPU")
 _LIBRARY.impl("scale_gradient_backward", lambda grad_output, scale: grad_output * scale, "CPU")
 
 
-def _gradient() -> list[tuple]:
+# The same, its gradient scaled on the first backward only (a bug on the first batch, right from the second on).
+FIRST = "ortflow_test::scale_first_gradient"
+FIRST_BACKWARD = "ortflow_test::scale_first_gradient_backward"
+_backwards = {"calls": 0}
+_LIBRARY.define("scale_first_gradient(Tensor x, float scale) -> Tensor")
+_LIBRARY.define("scale_first_gradient_backward(Tensor grad_output, float scale) -> Tensor")
+_LIBRARY.impl("scale_first_gradient", lambda x, scale: x.clone(), "CPU")
+
+
+def _first_backward(grad_output: torch.Tensor, scale: float) -> torch.Tensor:
+    _backwards["calls"] += 1
+    return grad_output * scale if _backwards["calls"] == 1 else grad_output.clone()
+
+
+_LIBRARY.impl("scale_first_gradient_backward", _first_backward, "CPU")
+
+
+def _gradient(backward: str = BACKWARD) -> list[tuple]:
     node = (("ATen", "org.pytorch.aten"), ["GO(0)", "I(1)"], ["GI(0)"])
-    return [(*node, {"operator": {"value": BACKWARD, "dtype": "string"}})]
+    return [(*node, {"operator": {"value": backward, "dtype": "string"}})]
 
 
 SCALE = aten_nodes.AtenOp(
@@ -49,16 +66,26 @@ SCALE = aten_nodes.AtenOp(
     fix_name="planted_gradient_scales",
     shape=aten_shapes.same_shape,
 )
+SCALE_FIRST = aten_nodes.AtenOp(
+    FIRST,
+    FIRST_BACKWARD,
+    differentiable=(0,),
+    mask_input=None,
+    gradient=lambda: _gradient(FIRST_BACKWARD),
+    fix_name="planted_gradient_scales",
+    shape=aten_shapes.same_shape,
+)
 
 
 @contextlib.contextmanager
 def declared() -> Iterator[None]:
-    """The planted operator known to ortflow's ATen-node registry while inside (the registry is process-wide)."""
+    """The planted operators known to ortflow's ATen-node registry while inside (the registry is process-wide)."""
     aten_nodes.register(SCALE)
+    aten_nodes.register(SCALE_FIRST)
     try:
         yield
     finally:
-        del aten_nodes.OPS[SCALE.forward]
+        del aten_nodes.OPS[SCALE.forward], aten_nodes.OPS[SCALE_FIRST.forward]
 
 
 def graph_name(names: set[str], parameter: str) -> str:
@@ -78,9 +105,14 @@ def _plant_for(engine: str | None, plant: pipeline.Plant) -> pipeline.Plant:
     return run
 
 
-def scale_gradient(parameter: str, scale: float, engine: str | None = None) -> pipeline.Plant:
-    """A plant multiplying the gradient of the torch parameter `parameter` by `scale` (in `engine` only, or both).
-    The forward graph ORTModule prepares for evaluation has no trainable parameters: it is left alone."""
+def scale_gradient(
+    parameter: str, scale: float, engine: str | None = None, first_step_only: bool = False
+) -> pipeline.Plant:
+    """A plant multiplying the gradient of the torch parameter `parameter` by `scale` (in `engine` only, or both;
+    with `first_step_only`, on the first backward run after this call only, whichever engine runs it: the first
+    batch's gradient wrong, every later one right, even in an engine built again). The forward graph ORTModule
+    prepares for evaluation has no trainable parameters: it is left alone."""
+    _backwards["calls"] = 0
 
     def plant(model: onnx.ModelProto, plan: GraphPlan, work: GraphWork) -> None:
         graph = model.graph
@@ -101,7 +133,7 @@ def scale_gradient(parameter: str, scale: float, engine: str | None = None) -> p
                 [read],
                 name=f"{read}/aten",
                 domain="org.pytorch.aten",
-                operator=OPERATOR,
+                operator=FIRST if first_step_only else OPERATOR,
                 overload_name="",
             ),
         ]
