@@ -66,7 +66,10 @@ def test_a_sweep_on_slurm_is_preempted_requeued_by_submitit_and_resumes_exactly(
         job._interrupt()  # preemption: SIGTERM, then submitit's SIGUSR2
         cluster.start_requeued_now(job_id)
         try:
-            driver.wait(timeout=600)
+            driver.wait(timeout=300)  # about 20 s on a quiet 2-core machine
+        except subprocess.TimeoutExpired:
+            logs = "".join(f"{p}:\n{p.read_text()[-3000:]}\n" for p in (sweep_dir / ".submitit").rglob("*_log.*"))
+            pytest.fail(f"the sweep did not end:\n{cluster.diagnosis(job_id)}\n{logs}\n{log.read_text()[-3000:]}")
         finally:
             if driver.poll() is None:
                 driver.kill()

@@ -263,6 +263,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
+UnkillableStepTimeout=180
 JobRequeue=1
 SchedulerType=sched/builtin
 NodeName=ortflownode NodeHostname={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 State=UNKNOWN
@@ -324,6 +325,19 @@ class SlurmCluster:
     def jobs(self) -> str:
         result = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=self.env, capture_output=True, text=True)
         return result.stdout.strip()
+
+    def diagnosis(self, job_id: str) -> str:
+        """What SLURM says about `job_id` and the node, and its controller's and node daemon's logs (debug lines
+        left out): for a test that timed out waiting on a job."""
+        parts = []
+        for command in (["scontrol", "show", "job", job_id], ["scontrol", "show", "node"], ["squeue", "-a"]):
+            shown = subprocess.run(command, env=self.env, capture_output=True, text=True)
+            parts.append(f"$ {' '.join(command)}\n{shown.stdout}{shown.stderr}")
+        for name in ("slurmctld.log", "slurmd.log"):
+            log = self.root / name
+            lines = log.read_text().splitlines() if log.exists() else []
+            parts.append(f"{name}:\n" + "\n".join([line for line in lines if "debug" not in line][-40:]))
+        return "\n".join(parts)
 
     def start_requeued_now(self, job_id: str, timeout: float = 120) -> None:
         """SLURM holds a requeued job for about 2 minutes (its begin time); once `job_id` is back in the queue, move
