@@ -25,7 +25,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.accel.graph import aten_gemm, aten_nodes, aten_shapes
+from ortflow.accel.graph import aten_gemm, aten_nodes, aten_relu, aten_shapes
 from ortflow.accel.graph import plan as graph_plan
 from ortflow.config import BF16
 
@@ -115,7 +115,11 @@ def _only(readers: dict[str, list], name: str) -> onnx.NodeProto | None:
 def _relu(z: str, readers: dict[str, list]) -> tuple[str, list[onnx.NodeProto]] | None:
     """The ReLU of z (its output and its nodes) when z has no other reader: Relu(z), or x * Cast(x > 0)."""
     found = readers.get(z, [])
-    if len(found) == 1 and found[0] is not None and found[0].op_type == "Relu":
+    if (
+        len(found) == 1
+        and found[0] is not None
+        and (found[0].op_type == "Relu" or aten_nodes.operator(found[0]) == aten_relu.OPERATOR)
+    ):
         return found[0].output[0], [found[0]]
     if len(found) != 2 or None in found:
         return None

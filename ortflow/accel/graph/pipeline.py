@@ -28,6 +28,7 @@ from ortflow.accel.graph import (  # noqa: F401  every op module: importing one 
     aten_gemm,
     aten_layer_norm,
     aten_nodes,
+    aten_relu,
     aten_shapes,
     aten_upsample,
     batchnorm,

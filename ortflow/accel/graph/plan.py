@@ -61,7 +61,13 @@ class GraphSettings:
     # Constant-index Gather -> Slice before the gradient is built (MultiheadAttention's q/k/v split): ORT's CPU
     # GatherGrad was a third of the transformer's step. Off only to compare or to rule it out.
     rewrite_gathers: bool = True
-    # Relu -> x * (x > 0): ORT's CPU ReluGrad runs on one thread; the Mul it becomes runs in parallel.
+    # ReLU run by torch's kernels inside ORT's graphs (relu, threshold_backward; accel/graph/aten_relu.py), not by
+    # ORT: on the vision recipe (2-core Zen 5, fp32) ORTModule went from 0.76x to 0.86-1.03x eager, artifacts from
+    # 0.78x to 0.82-0.87x. null: in graphs that already run torch's kernels (convolutions, bf16 GEMMs) only; alone,
+    # in the fp32 transformer recipe, it cost artifacts 18% (it turns ORT's spin-waiting off).
+    aten_relu: bool | None = None
+    # Where ORT runs ReLU: Relu -> x * (x > 0): ORT's CPU ReluGrad runs on one thread; the Mul it becomes runs in
+    # parallel.
     rewrite_relu: bool = True
     # Embedding Gather on a weight of at most this many rows -> OneHot @ W: W's gradient becomes a Gemm instead of
     # ORT's contending GatherGrad, at the cost of a (tokens x vocabulary) matmul. Measured in artifacts on the

@@ -494,8 +494,8 @@ graph_plan.declare(
 )
 graph_plan.declare(
     graph_plan.GraphOp(
-        "relu",
-        "Relu as x * (x > 0): a parallel Mul instead of ORT's single-threaded ReluGrad",
+        "relu_mask",
+        "a Relu ORT runs (accel/graph/aten_relu.py) as x * (x > 0): a parallel Mul, not its single-threaded ReluGrad",
         __name__,
         _ORT,
         _ort,
