@@ -13,7 +13,7 @@ import onnx
 from onnx import helper
 
 from ortflow.accel import artifacts, ortmodule
-from ortflow.accel.graph import aten_nodes, aten_shapes, onnx_values
+from ortflow.accel.graph import aten_nodes, aten_shapes, onnx_values, pipeline
 from ortflow.accel.graph import plan as graph_plan
 
 NAME = "tanh"
@@ -77,7 +77,6 @@ OP = graph_plan.GraphOp(
     ),
     setting="aten_tanh",
     rewrite=_rewrite,
-    order=85,
 )
 
 
@@ -96,7 +95,11 @@ class ORTModuleSettings(ortmodule.Settings):
 def declared() -> Iterator[graph_plan.GraphOp]:
     graph_plan.declare(OP)
     aten_nodes.register(TANH)
+    order = pipeline.ORDER
+    at = order.index("bf16_edges")
+    pipeline.ORDER = (*order[:at], NAME, *order[at:])  # a user adds its name to the table
     try:
         yield OP
     finally:
         del graph_plan.OPS[NAME], aten_nodes.OPS[TANH.forward]
+        pipeline.ORDER = order

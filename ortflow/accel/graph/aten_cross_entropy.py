@@ -315,6 +315,5 @@ OP = graph_plan.declare(
         ),
         setting="aten_cross_entropy",
         rewrite=_rewrite,
-        order=81,
     )
 )

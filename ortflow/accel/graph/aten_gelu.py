@@ -177,6 +177,5 @@ OP = graph_plan.declare(
         ),
         setting="aten_gelu",
         rewrite=_rewrite,
-        order=80,
     )
 )

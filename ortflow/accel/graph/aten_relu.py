@@ -116,6 +116,5 @@ OP = graph_plan.declare(
         ),
         setting="aten_relu",
         rewrite=_rewrite,
-        order=69,  # before relu_mask (rewrites.py), which rewrites the ReLUs left to ORT
     )
 )

@@ -381,6 +381,5 @@ OP = graph_plan.declare(
         (graph_plan.Path.host, graph_plan.Path.ort),
         lambda settings, precision, engine: graph_plan.Path.host,
         rewrite=_rewrite,
-        order=20,
     )
 )

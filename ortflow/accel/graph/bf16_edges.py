@@ -250,6 +250,5 @@ OP = graph_plan.declare(
         ),
         setting="bf16_edges",
         rewrite=_rewrite,
-        order=90,
     )
 )

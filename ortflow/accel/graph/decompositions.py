@@ -190,6 +190,5 @@ graph_plan.declare(
         lambda settings, precision, engine: graph_plan.Path.ort,
         symbolics={"::softplus": _softplus},  # with the module's beta and threshold, which ONNX's Softplus lacks
         rewrite=_rewrite,
-        order=40,
     )
 )

@@ -293,6 +293,5 @@ graph_plan.declare(
         (graph_plan.Path.ort,),
         lambda settings, precision, engine: graph_plan.Path.ort,
         rewrite=_rewrite,
-        order=50,
     )
 )

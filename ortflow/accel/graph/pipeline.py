@@ -59,9 +59,36 @@ def planted(plant: Plant) -> Iterator[None]:
         _PLANTED.reset(token)
 
 
+# The order the declared ops' rewrites run in on an exported graph: fixes that make the graph trainable first, then
+# dropout, speed rewrites, and torch's kernels as ATen nodes last (bf16 edges fuse the GEMM and ReLU nodes the others
+# wrote). Every op with a rewrite is named here once; an op a user adds goes here too.
+ORDER: tuple[str, ...] = (
+    "attention_dropout_mode",  # rewrites.py: attention's Dropout trains (its mode fixed before dropout's rewrite)
+    "batchnorm_statistics",  # batchnorm.py
+    "instance_norm",  # rewrites.py: written out, ORT cannot differentiate it
+    "decompositions",  # decompositions.py: activations ORT cannot differentiate, written out
+    "onnx_gradients",  # onnx_gradients.py
+    "dropout",  # rewrites.py: masks fed each step, or ORT's Dropout given its mask output
+    "relu",  # aten_relu.py: torch's ReLU, before relu_mask rewrites those left to ORT
+    "gathers",  # rewrites.py
+    "relu_mask",  # rewrites.py
+    "embedding",  # rewrites.py
+    "gelu",  # aten_gelu.py
+    "cross_entropy",  # aten_cross_entropy.py
+    "bf16_edges",  # bf16_edges.py: fuses the GEMM and ReLU nodes written before it
+)
+
+
 def ops_in_order() -> list[GraphOp]:
-    """The declared ops whose rewrites run on an exported graph, in the pipeline's order."""
-    return sorted((op for op in OPS.values() if op.rewrite is not None), key=lambda op: op.order)
+    """The declared ops whose rewrites run on an exported graph, in the pipeline's order (ORDER).
+
+    Raises:
+        LookupError: an op with a rewrite that ORDER does not name (where it runs would be a guess).
+    """
+    rewriting = {name for name, op in OPS.items() if op.rewrite is not None}
+    if missing := sorted(rewriting - set(ORDER)):
+        raise LookupError(f"graph ops with a rewrite but no place in pipeline.ORDER: {', '.join(missing)}")
+    return [OPS[name] for name in ORDER if name in rewriting]
 
 
 @contextlib.contextmanager

@@ -155,10 +155,10 @@ class GraphOp:
     setting: str | None = None  # the GraphSettings key that switches it (None: precision and target decide)
     # torch operator ("::_convolution") -> factory of the symbolic in force while an ORT engine exports
     symbolics: Mapping[str, SymbolicFactory] = field(default_factory=lambda: MappingProxyType({}))
-    # Applied to the exported forward graph, ops in `order`: `rewrite(model, plan, work)` reads its own path from the
-    # plan and counts what it changed into the work (`GraphWork.count`: the engine's graph fixes).
+    # Applied to the exported forward graph, in the order of pipeline.ORDER (which names every op with a rewrite):
+    # `rewrite(model, plan, work)` reads its own path from the plan and counts what it changed into the work
+    # (`GraphWork.count`: the engine's graph fixes).
     rewrite: Callable[[Any, "GraphPlan", "GraphWork"], None] | None = None
-    order: int = 100  # where its rewrite runs in the pipeline: fixes first, then speed rewrites, then torch kernels
 
 
 OPS: dict[str, GraphOp] = {}
@@ -183,7 +183,7 @@ class GraphWork:
 
 
 def declare(op: GraphOp) -> GraphOp:
-    """Add an op to the registry (each op module, once, at import). The registration order is the pipeline's."""
+    """Add an op to the registry (each op module, once, at import). Where its rewrite runs: pipeline.ORDER."""
     OPS[op.name] = op
     return op
 

@@ -454,7 +454,6 @@ graph_plan.declare(
         _ORT,
         _ort,
         rewrite=_attention_dropout,
-        order=10,
     )
 )
 graph_plan.declare(
@@ -465,7 +464,6 @@ graph_plan.declare(
         _ORT,
         _ort,
         rewrite=_instance_norms,
-        order=30,
     )
 )
 graph_plan.declare(
@@ -477,7 +475,6 @@ graph_plan.declare(
         lambda settings, precision, engine: graph_plan.Path.fed if settings.rewrite_dropout else graph_plan.Path.ort,
         setting="rewrite_dropout",
         rewrite=_dropout,
-        order=60,
     )
 )
 graph_plan.declare(
@@ -489,7 +486,6 @@ graph_plan.declare(
         _ort,
         setting="rewrite_gathers",
         rewrite=_gathers,
-        order=70,
     )
 )
 graph_plan.declare(
@@ -501,7 +497,6 @@ graph_plan.declare(
         _ort,
         setting="rewrite_relu",
         rewrite=_relu,
-        order=71,
     )
 )
 graph_plan.declare(
@@ -513,6 +508,5 @@ graph_plan.declare(
         _ort,
         setting="rewrite_embedding_max_vocab",
         rewrite=_embeddings,
-        order=72,
     )
 )

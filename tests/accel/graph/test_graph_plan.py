@@ -92,6 +92,15 @@ def test_every_switchable_op_names_a_graph_setting_and_every_setting_switches_an
     for op in graph_plan.OPS.values():
         assert op.module.startswith("ortflow.accel.graph."), op  # each declared where it is implemented
     assert [op.name for op in pipeline.ops_in_order()][:2] == ["attention_dropout_mode", "batchnorm_statistics"]
+    # the pipeline's one order table names every op with a rewrite, once, and nothing else
+    rewriting = [name for name, op in graph_plan.OPS.items() if op.rewrite is not None]
+    assert sorted(pipeline.ORDER) == sorted(rewriting) and len(set(pipeline.ORDER)) == len(pipeline.ORDER)
+
+
+def test_an_op_with_a_rewrite_and_no_place_in_the_order_is_refused(monkeypatch):
+    monkeypatch.setattr(pipeline, "ORDER", tuple(n for n in pipeline.ORDER if n != "gelu"))
+    with pytest.raises(LookupError, match="gelu"):
+        pipeline.ops_in_order()
 
 
 def test_both_engines_take_their_graph_settings_from_the_one_list():
