@@ -129,9 +129,7 @@ _LIBRARY.impl("linear_cross_entropy_bf16", _linear_cross_entropy, "CPU")
 _LIBRARY.impl("linear_cross_entropy_bf16_backward", _linear_cross_entropy_backward, "CPU")
 
 
-def _gradient() -> list[tuple]:
-    node = (("ATen", "org.pytorch.aten"), ["GO(0)", "I(0)", "I(1)", "I(2)", "I(3)"], ["GI(0)"])
-    return [(*node, {"operator": {"value": BACKWARD, "dtype": "string"}})]
+_gradient = aten_nodes.one_node_gradient(BACKWARD, ["GO(0)", "I(0)", "I(1)", "I(2)", "I(3)"], gradients=1)
 
 
 aten_nodes.register(

@@ -43,9 +43,7 @@ _LIBRARY.impl("gelu_tanh", _gelu, "CPU")
 _LIBRARY.impl("gelu_tanh_backward", _gelu_backward, "CPU")
 
 
-def _gradient() -> list[tuple]:
-    node = (("ATen", "org.pytorch.aten"), ["GO(0)", "I(0)"], ["GI(0)"])
-    return [(*node, {"operator": {"value": BACKWARD, "dtype": "string"}})]
+_gradient = aten_nodes.one_node_gradient(BACKWARD, ["GO(0)", "I(0)"], gradients=1)
 
 
 aten_nodes.register(

@@ -50,10 +50,10 @@ class AtenOp:
 OPS: dict[str, AtenOp] = {}
 
 
-def one_node_gradient(backward: str, inputs: list[str]) -> Callable[[], list[tuple]]:
+def one_node_gradient(backward: str, inputs: list[str], gradients: int = 3) -> Callable[[], list[tuple]]:
     """The gradient definition ortflow's operators share: one ATen node running `backward` on `inputs` (GO(0), I(k),
-    O(k): see onnxruntime's _custom_gradient_registry.py), returning the gradients of the first three inputs."""
-    node = (("ATen", "org.pytorch.aten"), inputs, ["GI(0)", "GI(1)", "GI(2)"])
+    O(k): see onnxruntime's _custom_gradient_registry.py), returning the gradients of the first `gradients` inputs."""
+    node = (("ATen", "org.pytorch.aten"), inputs, [f"GI({i})" for i in range(gradients)])
     return lambda: [(*node, {"operator": {"value": backward, "dtype": "string"}})]
 
 

@@ -44,9 +44,7 @@ _LIBRARY.impl("relu", _relu, "CPU")
 _LIBRARY.impl("relu_backward", _relu_backward, "CPU")
 
 
-def _gradient() -> list[tuple]:
-    node = (("ATen", "org.pytorch.aten"), ["GO(0)", "O(0)"], ["GI(0)"])
-    return [(*node, {"operator": {"value": BACKWARD, "dtype": "string"}})]
+_gradient = aten_nodes.one_node_gradient(BACKWARD, ["GO(0)", "O(0)"], gradients=1)
 
 
 aten_nodes.register(
