@@ -12,11 +12,15 @@ An engine module provides:
     EXECUTED_BY (optional) what its describe()["executed_by"] says when it ran as it should (ORT's engines:
               "onnxruntime"; accel=auto refuses a candidate that says otherwise).
     RUNS_IN_STEP (optional) the kinds of hooks and state updates (ortflow/model/hooks.py: Kind) it runs as eager
-              does; the others it refuses before the first step (`refuse_unrun`).
+              does; the others it refuses before the first step (`EngineContext.refuse_unrun`).
     WHY_UNRUN (optional) {Kind: why it cannot run that kind}, where the reason is not ONNX Runtime's (hooks.py's).
 
 The runner, loop, validation and distributed code never name a mode; they go through the functions below. A new
-engine is one module plus one yaml file (found through `hydra.searchpath` when it lives outside ortflow).
+engine is one module plus one yaml file (found through `hydra.searchpath` when it lives outside ortflow); an
+in-tree one is listed by accel/catalog.py from its yaml file and needs a line in pyproject.toml's import contracts
+(its layer among the engines, and the contract that no engine imports this registry). An engine module imports
+what it needs from below (accel/engine.py, accel/graph/, accel/compat/, ortflow.model, ...), never `ortflow.accel`
+itself: what it needs of the other engines comes in its EngineContext.
 """
 
 import dataclasses
@@ -27,42 +31,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ortflow import machine
+from ortflow.accel import catalog
 from ortflow.accel.engine import Engine, EngineContext
 from ortflow.config import AUTO
 from ortflow.errors import OrtflowError
-from ortflow.model import hooks
-from ortflow.paths import config_dir
 
-# The engines shipped with ortflow (their yaml files are conf/accel/<name>.yaml).
-BUILTIN = (
-    "ortflow.accel.none",
-    "ortflow.accel.ortmodule",
-    "ortflow.accel.artifacts",
-    "ortflow.accel.compile",
-    "ortflow.accel.auto",
-)
-
-
-def engines() -> dict[str, ModuleType]:
-    """The engines the config tree offers (conf/accel/*.yaml, by the module each `_target_` names) that train a model
-    themselves, simplest first: the one list accel=auto's candidates, ortflow-check's rows and ortflow-bench's modes
-    come from."""
-    found = {}
-    for path in sorted((config_dir() / "accel").glob("*.yaml")):
-        target = OmegaConf.load(path).get("_target_")
-        module = importlib.import_module(str(target).rpartition(".")[0])
-        if getattr(module, "SIMPLICITY", None) is not None:
-            found[module.NAME] = module
-    return dict(sorted(found.items(), key=lambda item: item[1].SIMPLICITY))
-
-
-def refuse_unrun(model: Any, inputs: Any, name: str) -> None:
-    """Refuse, before the first step, what engine `name` cannot run of the model's step as eager does (hooks, state a
-    forward changes: ortflow/model/hooks.py), naming the engines that run it."""
-    found = engines()
-    runs = {n: getattr(m, "RUNS_IN_STEP", frozenset()) for n, m in found.items()}
-    why = getattr(found.get(name), "WHY_UNRUN", None)
-    hooks.refuse_unrun(model, inputs, name, runs, why)
+engines = catalog.engines  # the engines conf/accel offers that train themselves, simplest first
 
 
 def engine_module(accel: DictConfig) -> ModuleType:
@@ -118,6 +92,7 @@ def build(accel: DictConfig, ctx: EngineContext) -> Engine:
     engine trains in bf16-mixed where the CPU has bf16 units."""
     module = engine_module(accel)
     builder = getattr(module, accel._target_.rpartition(".")[2])
+    ctx = dataclasses.replace(ctx, engines_run=catalog.runs_in_step())  # for the engine's refusals to name others
     if ctx.precision == AUTO and module.NAME != "auto":
         auto = importlib.import_module("ortflow.accel.auto")
         if module.NAME in engines():
@@ -127,7 +102,7 @@ def build(accel: DictConfig, ctx: EngineContext) -> Engine:
 
 
 def register_schemas(store: Any) -> None:
-    """Register each built-in engine's Settings as `schema/accel/<NAME>` in Hydra's ConfigStore."""
-    for name in BUILTIN:
-        module = importlib.import_module(name)
-        store.store(group="schema/accel", name=module.NAME, node=module.Settings)
+    """Register the Settings of each engine conf/accel names as `schema/accel/<NAME>` in Hydra's ConfigStore."""
+    for name, module in catalog.modules().items():
+        if (settings := getattr(module, "Settings", None)) is not None:
+            store.store(group="schema/accel", name=name, node=settings)

@@ -21,7 +21,6 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow import accel
 from ortflow.accel import failures, torch_adamw
 from ortflow.accel.compat import export_warnings, ort, torch_onnx, versions
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
@@ -207,7 +206,7 @@ class ArtifactsEngine:
         self.plan = graph_plan.GraphPlan.compute(settings, ctx.precision, NAME)
         model = self.model = ctx.model
         batchnorm.refuse_unsupported(model, NAME, self.plan)
-        accel.refuse_unrun(ctx.model, ctx.example[0], NAME)  # parameter and module hooks, state a forward changes
+        ctx.refuse_unrun(NAME, RUNS_IN_STEP)  # parameter and module hooks, state a forward changes
         self.loss, self.layout = ctx.loss, ctx.layout
         self.batch_size = ctx.batch_size
         self.accumulate = ctx.accumulate

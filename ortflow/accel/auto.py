@@ -3,7 +3,7 @@ batch, pick the fastest, and train with it.
 
 Which engine wins depends on the CPU (whose matmuls are faster, torch's or ORT's; whether it has bf16 units) and on
 the model (its width, convolutions, normalisation layers); a user should not have to know. The probe:
-- candidates: the engines the config tree offers (accel.engines(): conf/accel/, the list ortflow-check and
+- candidates: the engines the config tree offers (accel/catalog.py: conf/accel/, the list ortflow-check and
   ortflow-bench use), those `accel.candidates` names and the config allows;
 - a first pass builds every candidate engine on a copy of the model (its own ONNX files in a temporary folder),
   takes one untimed step (export, session creation) and two untimed warm-up steps, then times `probe_steps` steps
@@ -52,7 +52,8 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 
-from ortflow import accel, distributed, machine
+from ortflow import distributed, machine
+from ortflow.accel import catalog
 from ortflow.accel.compat import versions
 from ortflow.accel.engine import EngineContext
 from ortflow.config import AUTO, BF16, FP32
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 
 NAME = "auto"
 TITLE = "the fastest engine on this model and CPU, measured before training"
-ENGINES = accel.engines()  # simplest first
+ENGINES = catalog.engines()  # simplest first
 CACHE_FORMAT = 3
 WARMUP_STEPS = 2  # untimed steps after the first: the first bf16 steps were slower than the rest (oneDNN's kernels)
 
@@ -344,7 +345,7 @@ def cache_key(ctx: EngineContext, names: list[str], precisions: list[str], setti
 def ortflow_version() -> str:
     """ortflow's release and a digest of its engines' code (accel/): a checkout that changed an engine probes anew."""
     digest = hashlib.sha256()
-    root = Path(accel.__file__).parent
+    root = Path(catalog.__file__).parent
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
     try:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ortflow import accel
 from ortflow.accel.compat import inductor
 from ortflow.accel.engine import EngineContext
 from ortflow.accel.none import EagerEngine, debug_problems
@@ -118,7 +117,7 @@ class CompiledEngine(EagerEngine):
     def __init__(self, ctx: EngineContext, settings: Settings) -> None:
         if (unverified := inductor.unverified_torch()) is not None:
             raise ConfigError(unverified)
-        accel.refuse_unrun(ctx.model, ctx.example[0], NAME)  # module backward hooks, state a forward changes
+        ctx.refuse_unrun(NAME, RUNS_IN_STEP, WHY_UNRUN)  # module backward hooks, state a forward changes
         self.cache = inductor.use_cache_folder()
         inductor.reset()  # this engine's model compiles afresh (another engine in this process may have compiled)
         self.backend = inductor.CountingBackend(mode=settings.mode.value)

@@ -1,7 +1,7 @@
 """The Engine protocol (everything the loop needs, whichever runtime executes the model), the EngineContext an
 engine is built from, and the loss/eval helpers every engine shares."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -11,6 +11,7 @@ from torch import nn
 
 from ortflow.config import FP32
 from ortflow.errors import OrtflowError
+from ortflow.model import hooks
 from ortflow.step.batch import Inputs, Layout, layout_of, pad_rows
 from ortflow.step.loss import CrossEntropy, EvalResult, Loss
 
@@ -55,6 +56,18 @@ class EngineContext:
     precision: str = FP32
     config: Any = None  # the whole run config (accel=auto reads the other engines' checks from it)
     resumed_choice: dict[str, Any] | None = None  # accel=auto's choice recorded in the checkpoint being resumed
+    # What each engine the config tree offers runs of a model's step as eager does (accel/catalog.py: runs_in_step),
+    # so that a refusal names the engines that run what it refuses; accel.build fills it.
+    engines_run: Mapping[str, frozenset] = field(default_factory=dict)
+
+    def refuse_unrun(self, name: str, runs: frozenset, why: dict | None = None) -> None:
+        """Refuse, before the first step, what engine `name` (which runs `runs` of ortflow/model/hooks.py's kinds as
+        eager does; `why`: its own reasons) cannot run of the model's step, naming the engines that run it.
+
+        Raises:
+            ModelError: one paragraph listing the model's hooks and state updates the engine would not run.
+        """
+        hooks.refuse_unrun(self.model, self.example[0], name, {**self.engines_run, name: runs}, why)
 
     @property
     def layout(self) -> Layout:

@@ -11,7 +11,6 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow import accel
 from ortflow.accel.engine import EngineContext
 from ortflow.config import BF16, OptimConfig
 from ortflow.model import hooks, state_dict
@@ -52,7 +51,7 @@ def problems(cfg: DictConfig) -> list[str]:
 
 def build(ctx: EngineContext) -> "EagerEngine":
     """The eager engine around `ctx.model` (with ctx's distributed wrappers around it)."""
-    accel.refuse_unrun(ctx.model, ctx.example[0], NAME)  # eager PyTorch runs every hook: nothing is refused
+    ctx.refuse_unrun(NAME, RUNS_IN_STEP)  # eager PyTorch runs every hook: nothing is refused
     module = ctx.wrap(WithLoss(ctx.model, ctx.loss, ctx.layout, autocast=ctx.precision == BF16))
     return EagerEngine(module, ctx.model, ctx.loss, ctx.layout, ctx.optim, ctx.grad_clip, ctx.reduce_loss)
 

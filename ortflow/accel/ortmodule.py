@@ -21,7 +21,6 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow import accel
 from ortflow.accel import failures
 from ortflow.accel.compat import ortmodule_patches
 from ortflow.accel.compat.extensions import ensure_built
@@ -122,7 +121,7 @@ class ORTModuleEngine:
     def __init__(self, ctx: EngineContext, settings: Settings) -> None:
         self.plan = graph_plan.GraphPlan.compute(settings, ctx.precision, NAME)
         batchnorm.refuse_unsupported(ctx.model, NAME, self.plan)
-        accel.refuse_unrun(ctx.model, ctx.example[0], NAME)  # module backward hooks, state a forward changes
+        ctx.refuse_unrun(NAME, RUNS_IN_STEP)  # module backward hooks, state a forward changes
         ensure_built()
         self.fallback = settings.fallback
         # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.

@@ -365,10 +365,10 @@ def refuse_unrun(
     others = [m for m, kept in engines.items() if m != mode and all(k in kept for k in kinds)]
     instead = " or ".join(f"accel={m}" for m in others)
     them = "them" if len(unrun) > 1 else "it"
+    alternatives = f"Use {instead}, which run{'s' if len(others) == 1 else ''} {them} as eager PyTorch does, or take"
     raise ModelError(
-        f"accel={mode} cannot train this model as eager PyTorch does: {listed}. With accel={mode}, {why_text}. Use "
-        f"{instead}, which run{'s' if len(others) == 1 else ''} {them} as eager PyTorch does, or take {them} out of "
-        "the model."
+        f"accel={mode} cannot train this model as eager PyTorch does: {listed}. With accel={mode}, {why_text}. "
+        f"{alternatives if others else 'Take'} {them} out of the model."
     )
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from ortflow import accel
-from ortflow.accel import auto
+from ortflow.accel import auto, catalog
 from ortflow.accel.engine import EngineContext
 from ortflow.check.modes import check, fresh_model, try_mode
 from ortflow.config import FP32, DebugConfig, OptimConfig, OptimName
@@ -279,7 +279,7 @@ def test_a_global_module_hook_is_refused_by_the_ort_engines(which, kind, tmp_pat
 def test_without_the_refusal_the_engine_would_train_another_model(kind, case, tmp_path, monkeypatch):
     """Why the refusals exist: bypassed, ORT trains on without running the hook, silently."""
     build, _, _ = CASES[case]
-    monkeypatch.setattr(hooks, "refuse_unrun", lambda *_args: None)  # (accel.refuse_unrun calls it)
+    monkeypatch.setattr(hooks, "refuse_unrun", lambda *_args: None)  # (EngineContext.refuse_unrun calls it)
     data = batches()
     eager_calls, calls = Calls(), Calls()
     eager = make_engine("none", build(eager_calls), data[0], tmp_path)
@@ -297,7 +297,7 @@ def test_every_problem_is_named_at_once():
     model[0].weight.register_hook(zero_first)
     model[0].register_full_backward_hook(lambda *_: None)
     with pytest.raises(ModelError) as refused:
-        accel.refuse_unrun(model, batches()[0][0], "artifacts")
+        hooks.refuse_unrun(model, batches()[0][0], "artifacts", catalog.runs_in_step())
     message = str(refused.value)
     for text in ("parameter '0.weight'", "module '0' (Linear)", "buffer '2.weight_u'", "register_full_backward_hook"):
         assert text in message, message
