@@ -389,6 +389,9 @@ class Config:
     peft: Any = None  # +peft=lora: adapters instead of full fine-tuning (conf/peft/)
     seed: int = ranged(0, SEED)  # seeds python, numpy, torch, ORT and the data order
     objective: str = "eval/loss"  # the metric a sweep job returns (Optuna optimises it): see validate.objectives
+    # The loop's callbacks, by name: each a `_target_` (a subclass of ortflow.run.callbacks.Callback) and its
+    # arguments, e.g. +callbacks.stop_at._target_=my_pkg.StopAt (ortflow/run/callbacks.py)
+    callbacks: dict[str, Any] = field(default_factory=dict)
 
 
 # Per-option schemas live in the `schema/<group>` groups; an option's YAML pulls its schema in with

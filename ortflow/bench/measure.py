@@ -19,7 +19,7 @@ from ortflow.accel.engine import Engine
 from ortflow.bench.start import start_measurement
 from ortflow.report import profile as profiling
 from ortflow.report.logger import RunLogger
-from ortflow.run.trainer import train_loop
+from ortflow.run.trainer import Feed, Loop, LoopSettings
 from ortflow.step.loss import EvalResult
 
 PAIRS = 2  # timed passes of a bare loop and of ortflow's loop, alternated: samples/s is the bare passes' median
@@ -73,7 +73,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         bare.append(time.perf_counter() - start)
         proxy, logger = Timed(engine), RunLogger(run_dir, cfg.logger, steps)
         start = time.perf_counter()
-        train_loop(proxy, iter(timed), data.val, trainer, cfg.optim, cfg.scheduler, logger)
+        Loop(proxy, Feed(iter(timed), data.val), LoopSettings(trainer, cfg.optim, cfg.scheduler), logger).run()
         loop_s = time.perf_counter() - start - proxy.eval_s
         loop.append(loop_s)
         outside.append((loop_s - proxy.train_s) / proxy.train_s)  # the loop's own time, beside the engine's

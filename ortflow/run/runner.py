@@ -33,11 +33,11 @@ from ortflow.model.freeze import ParameterCount, freeze
 from ortflow.model.hf import check_vocabulary
 from ortflow.report import terminal
 from ortflow.report.logger import RunLogger
-from ortflow.run import checkpoint, export, export_hf, launch, pruning
+from ortflow.run import callbacks, checkpoint, export, export_hf, launch, pruning
 from ortflow.run.rundir import RunDir
 from ortflow.run.seeding import seed_everything
 from ortflow.run.signals import Interrupted, Preempted, interrupt_on_signals
-from ortflow.run.trainer import fast_dev_run, train_loop
+from ortflow.run.trainer import Feed, Loop, LoopSettings, Ranks, fast_dev_run
 from ortflow.step import loss
 from ortflow.step.batch import Inputs, split_batch
 from ortflow.validate import validate
@@ -309,11 +309,12 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     try:
         with interrupt_on_signals():
             validate(cfg)  # the wrapper order included: before any process group starts
+            user_callbacks = callbacks.from_config(cfg.callbacks)
             started = True
             world = distributed.start(cfg.distributed)
             run.open(cfg.trainer.resume, cfg.trainer.checkpoint.keep, world)
             try:
-                metrics, results, model, data = _train(cfg, run, overrides, world)
+                metrics, results, model, data = _train(cfg, run, overrides, world, user_callbacks)
             except (MemoryError, RuntimeError, OSError) as err:
                 if is_allocation_failure(err):
                     raise OrtflowError(_out_of_memory(cfg, err)) from err
@@ -351,7 +352,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
 
 
 def _train(
-    cfg: DictConfig, run: RunDir, overrides: list[str], world: World
+    cfg: DictConfig, run: RunDir, overrides: list[str], world: World, user_callbacks: list[callbacks.Callback]
 ) -> tuple[dict[str, Any], dict[str, Any], nn.Module, Data]:
     seed_everything(cfg.seed)
     data = build_data(cfg)
@@ -395,26 +396,14 @@ def _train(
     def weights() -> dict[str, torch.Tensor]:
         return checkpoint.share_tied(engine.model_state_dict(), model)
 
+    run_callbacks = [] if cfg.trainer.fast_dev_run else [callbacks.BestWeights(lambda: run.write_best(weights()))]
+    if (report := pruning.reporter(cfg.objective)) is not None:
+        run_callbacks.append(callbacks.Pruning(report))
+    feed = Feed(batches, val_loader, data.eval_metrics)
+    ranks = Ranks(world.rank, world.size, distributed.any_rank)
+    loop = Loop(engine, feed, LoopSettings.of(cfg), logger, ranks, [*run_callbacks, *user_callbacks])
     try:
-        metrics = train_loop(
-            engine,
-            batches,
-            val_loader,
-            cfg.trainer,
-            cfg.optim,
-            cfg.scheduler,
-            logger,
-            state=state,
-            save=None if cfg.trainer.fast_dev_run else run.save,
-            seed=cfg.seed,
-            rank=world.rank,
-            world_size=world.size,
-            any_rank=distributed.any_rank,
-            watch=cfg.objective,
-            on_best=None if cfg.trainer.fast_dev_run else lambda _state: run.write_best(weights()),
-            prune=pruning.reporter(cfg.objective),
-            eval_metrics=data.eval_metrics,
-        )
+        metrics = loop.run(state, save=None if cfg.trainer.fast_dev_run else run.save)
         results["ended_by"] = metrics.pop("ended_by")
         results["data"] = {**data.info, "short_batches": short.record()}
         execution = engine.describe()

@@ -1,12 +1,13 @@
-"""The training loop: lr -> train step -> guard -> log -> eval -> checkpoint, up to max_steps. It talks only to an
-Engine, and keeps its counters in a LoopState that checkpoints save and resumes restore."""
+"""The training loop (`Loop`): lr -> train step -> guard -> log -> eval -> checkpoint, up to max_steps. It talks only
+to an Engine, calls the run's callbacks (ortflow/run/callbacks.py) at its phases, and keeps its counters in a
+LoopState that checkpoints save and resumes restore."""
 
 import itertools
 import logging
 import math
 import signal
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ class LoopState:
     stopped_early_at: int = 0  # the step early stopping ended the run at (0: it did not)
     stopped_with_patience: int = 0
     pruned_at: int = 0  # the step a sweep's pruner stopped the run at (0: it did not)
+    stopped_by_callback_at: int = 0  # the step a callback's on_evaluation stopped the run at (0: none did)
     initial_loss: float | None = None  # the first step's loss (the model as built): the divergence guard's reference
 
 
@@ -169,125 +171,190 @@ def _non_finite_eval(evaluated: dict[str, float], step: int, trainer: TrainerCon
     return True
 
 
-def train_loop(
-    engine: Engine,
-    batches: Iterator,
-    val: Iterable,
-    trainer: TrainerConfig,
-    optim: OptimConfig,
-    scheduler: SchedulerConfig,
-    logger: RunLogger,
-    *,
-    state: LoopState | None = None,
-    save: SaveCheckpoint | None = None,
-    seed: int = 0,
-    rank: int = 0,
-    world_size: int = 1,
-    any_rank: Callable[[bool], bool] = bool,
-    watch: str = "eval/loss",
-    on_best: Callable[[LoopState], None] | None = None,
-    prune: Callable[[int, dict[str, float]], bool] | None = None,
-    eval_metrics: EvalMetrics | None = None,
-) -> dict[str, Any]:
-    """Run optimizer steps from state.step + 1 to trainer.max_steps; return the final metrics.
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop reads of the run's config: the trainer group, the lr schedule, the seed and the objective."""
 
-    Args:
-        batches: endless training batches (positioned where `state` left off when resuming).
-        state: the counters to continue from (a fresh run: None).
-        save: writes a checkpoint; called every trainer.checkpoint.every steps, at the end, and on SIGTERM.
-        seed: the run's seed (torch's and ORT's generators are re-seeded from it, the step and `rank` every step).
-        world_size: processes training together (each with its own batch): samples/s counts all of them.
-        any_rank: whether a flag is set on any rank (all ranks then stop after the same step on SIGTERM).
-        watch: the run's objective; its best evaluation (watched_metric) and that step are tracked and returned as
-            best/<metric> and best/step.
-        on_best: called after an evaluation that is the best so far (writes best.pt).
-        prune: called after each evaluation in a pruning sweep (ortflow/run/pruning.py); True ends the run there.
-        eval_metrics: derives more eval metrics from each evaluation's (the data's; e.g. eval/bits_per_byte).
+    trainer: TrainerConfig
+    optim: OptimConfig
+    scheduler: SchedulerConfig
+    seed: int = 0  # torch's and ORT's generators are re-seeded from it, the step and the rank every step
+    watch: str = "eval/loss"  # the run's objective: its best evaluation (watched_metric) and that step are tracked
 
-    Raises:
-        OrtflowError: the loss became NaN or infinite (the message names the step).
-        Preempted: SIGTERM arrived; a checkpoint was written after the current step.
-    """
-    state = state or LoopState()
-    untimed = state.step + 1  # this process's first step pays for export and session creation
-    every = trainer.checkpoint.every
-    micro_count = trainer.accumulate_grad_batches
-    if micro_count > 1 and not hasattr(engine, "train_micro"):
-        raise OrtflowError(
-            f"trainer.accumulate_grad_batches={micro_count}: the engine {engine.name} cannot accumulate gradients (it "
-            "has no train_micro); set trainer.accumulate_grad_batches=1 or raise data.batch_size instead."
-        )
-    if _already_stopped(state, trainer):
-        return _final(state, trainer, watch)
-    with stop_on_sigterm() as stop:
-        while state.step < trainer.max_steps:
-            step = state.step + 1
-            lr = lr_at(step - 1, optim.lr, scheduler, trainer.max_steps)
-            engine.set_lr(lr)
-            micro = [split_batch(next(batches)) for _ in range(micro_count)]
-            # After the batches: a fresh loader iterator (a resumed run's first step) may draw from torch's generator.
-            seed_step(seed, step, rank)
-            start = time.perf_counter()
-            loss = engine.train_step(*micro[0]) if micro_count == 1 else engine.train_micro(micro)
-            elapsed = time.perf_counter() - start
-            # An engine applies no update whose loss or gradient norm is not finite (Engine.train_step).
-            grad_norm = getattr(engine, "last_grad_norm", None)
-            finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
-            state.step = step
-            if finite:
-                state.skipped_in_a_row = 0
-                state.window_loss, state.window_n = state.window_loss + loss, state.window_n + 1
-                if grad_norm is not None:
-                    state.window_grad_norm += grad_norm
-                    state.window_grad_n += 1
-                if state.initial_loss is None:
-                    state.initial_loss = loss
-            else:
-                _non_finite(loss, grad_norm, step, state, trainer, _likely_causes(optim, lr, trainer))
-            if step == untimed:
-                state.first_step_s = elapsed
-            else:
-                state.train_time += elapsed
-                state.samples += sum(batch_size(inputs) for inputs, _ in micro) * world_size
+    @classmethod
+    def of(cls, cfg: DictConfig) -> "LoopSettings":
+        return cls(cfg.trainer, cfg.optim, cfg.scheduler, cfg.seed, cfg.objective)
 
-            if step % trainer.log_every == 0 or step == trainer.max_steps:
-                _diverging(state, step, trainer, _likely_causes(optim, lr, trainer))
-                point = {"train/lr": lr}
-                if state.window_n:
-                    state.metrics["train/loss"] = state.window_loss / state.window_n
-                    point["train/loss"] = state.metrics["train/loss"]
-                if state.train_time > 0:
-                    point["perf/samples_per_sec"] = state.samples / state.train_time
-                if state.window_grad_n:
-                    point["train/grad_norm"] = state.window_grad_norm / state.window_grad_n
-                if state.skipped_steps:
-                    point["train/skipped_steps"] = state.skipped_steps
-                logger.scalars(step, point)
-                state.window_loss, state.window_n = 0.0, 0
-                state.window_grad_norm, state.window_grad_n = 0.0, 0
-            early_stop = False
-            if (trainer.eval_every and step % trainer.eval_every == 0) or step == trainer.max_steps:
-                evaluated = evaluate(engine, val, trainer.eval_batches, eval_metrics)
-                _non_finite_eval(evaluated, step, trainer)
-                state.metrics.update(evaluated)
-                if _track_best(state, step, evaluated, watch) and on_best is not None:
-                    on_best(state)
-                logger.scalars(step, evaluated)
-                early_stop = _early_stop(state, step, evaluated, trainer)
-                if prune is not None and step < trainer.max_steps and prune(step, evaluated):
-                    log.info("the sweep's pruner stopped this trial at step %d", step)
-                    state.pruned_at = step
-                    early_stop = True
-            logger.advance(step, loss, lr)
-            stopping = any_rank(stop.requested) if save is not None else False
-            last = step == trainer.max_steps or early_stop
-            if save is not None and ((every and step % every == 0) or last or stopping):
-                path = save(state)
-                if stopping and not last:
-                    raise Preempted(step, path, stop.signal or signal.SIGTERM)
-            if early_stop:
-                break
-    return _final(state, trainer, watch)
+    def lr(self, step: int) -> float:
+        return lr_at(step - 1, self.optim.lr, self.scheduler, self.trainer.max_steps)
+
+    def causes(self, lr: float) -> str:
+        return _likely_causes(self.optim, lr, self.trainer)
+
+
+@dataclass(frozen=True)
+class Feed:
+    """The data the loop draws: endless training batches (positioned where a resumed state left off), the
+    validation split, and what derives more eval metrics from an evaluation's (the data's: eval/bits_per_byte)."""
+
+    batches: Iterator
+    val: Iterable
+    eval_metrics: EvalMetrics | None = None
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process among those training together (each with its own batch: samples/s counts all of them), and
+    whether a flag is set on any of them (all ranks then stop after the same step on SIGTERM)."""
+
+    rank: int = 0
+    size: int = 1
+    any_rank: Callable[[bool], bool] = bool
+
+
+class Loop:
+    """Optimizer steps from state.step + 1 to trainer.max_steps, in phases a reader finds by name: `_train` (lr,
+    batches, seeding, the engine's step, the non-finite guard, timing), `_log`, `_evaluate` (best, early stopping,
+    the callbacks' say), `_checkpoint` (cadence, SIGTERM). What a run plugs in (best weights, pruning, a user's own)
+    are callbacks (ortflow/run/callbacks.py); the engine is the only thing that trains."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        feed: Feed,
+        settings: LoopSettings,
+        logger: RunLogger,
+        ranks: Ranks = Ranks(),
+        callbacks: Sequence[Any] = (),
+    ) -> None:
+        self.engine, self.feed, self.settings, self.logger = engine, feed, settings, logger
+        self.ranks, self.callbacks = ranks, list(callbacks)
+        self.state = LoopState()
+
+    def run(self, state: LoopState | None = None, save: SaveCheckpoint | None = None) -> dict[str, Any]:
+        """Train from `state` (a fresh run: None) to the end; return the final metrics. `save` writes a checkpoint
+        (every trainer.checkpoint.every steps, at the end, and on SIGTERM); None: no checkpoints.
+
+        Raises:
+            OrtflowError: the loss became NaN or infinite (the message names the step), or the engine cannot
+                accumulate gradients as trainer.accumulate_grad_batches asks.
+            Preempted: SIGTERM arrived; a checkpoint was written after the current step.
+        """
+        self.state = state or LoopState()
+        trainer = self.settings.trainer
+        micro = trainer.accumulate_grad_batches
+        if micro > 1 and not hasattr(self.engine, "train_micro"):
+            raise OrtflowError(
+                f"trainer.accumulate_grad_batches={micro}: the engine {self.engine.name} cannot accumulate gradients "
+                "(it has no train_micro); set trainer.accumulate_grad_batches=1 or raise data.batch_size instead."
+            )
+        if _already_stopped(self.state, trainer):
+            return self._final()
+        self._call("on_train_start")
+        untimed = self.state.step + 1  # this process's first step pays for export and session creation
+        with stop_on_sigterm() as stop:
+            while self.state.step < trainer.max_steps:
+                step = self.state.step + 1
+                loss, lr = self._train(step, untimed)
+                if step % trainer.log_every == 0 or step == trainer.max_steps:
+                    self._log(step, lr)
+                stopping = False
+                if (trainer.eval_every and step % trainer.eval_every == 0) or step == trainer.max_steps:
+                    stopping = self._evaluate(step)
+                self.logger.advance(step, loss, lr)
+                self._call("on_step", step, loss)
+                if save is not None:
+                    self._checkpoint(step, save, stop, last=step == trainer.max_steps or stopping)
+                if stopping:
+                    break
+        metrics = self._final()
+        self._call("on_train_end", metrics)
+        return metrics
+
+    def _train(self, step: int, untimed: int) -> tuple[float, float]:
+        """One optimizer step (its micro-batches) at the scheduled lr; the loss counted, or the non-finite guard."""
+        state, engine, trainer = self.state, self.engine, self.settings.trainer
+        lr = self.settings.lr(step)
+        engine.set_lr(lr)
+        count = trainer.accumulate_grad_batches
+        micro = [split_batch(next(self.feed.batches)) for _ in range(count)]
+        # After the batches: a fresh loader iterator (a resumed run's first step) may draw from torch's generator.
+        seed_step(self.settings.seed, step, self.ranks.rank)
+        start = time.perf_counter()
+        loss = engine.train_step(*micro[0]) if count == 1 else engine.train_micro(micro)
+        elapsed = time.perf_counter() - start
+        # An engine applies no update whose loss or gradient norm is not finite (Engine.train_step).
+        grad_norm = getattr(engine, "last_grad_norm", None)
+        state.step = step
+        if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
+            state.skipped_in_a_row = 0
+            state.window_loss, state.window_n = state.window_loss + loss, state.window_n + 1
+            if grad_norm is not None:
+                state.window_grad_norm += grad_norm
+                state.window_grad_n += 1
+            if state.initial_loss is None:
+                state.initial_loss = loss
+        else:
+            _non_finite(loss, grad_norm, step, state, trainer, self.settings.causes(lr))
+        if step == untimed:
+            state.first_step_s = elapsed
+        else:
+            state.train_time += elapsed
+            state.samples += sum(batch_size(inputs) for inputs, _ in micro) * self.ranks.size
+        return loss, lr
+
+    def _log(self, step: int, lr: float) -> None:
+        """A log point: the means over the window since the last one; the divergence guard reads them first."""
+        state = self.state
+        _diverging(state, step, self.settings.trainer, self.settings.causes(lr))
+        point = {"train/lr": lr}
+        if state.window_n:
+            state.metrics["train/loss"] = state.window_loss / state.window_n
+            point["train/loss"] = state.metrics["train/loss"]
+        if state.train_time > 0:
+            point["perf/samples_per_sec"] = state.samples / state.train_time
+        if state.window_grad_n:
+            point["train/grad_norm"] = state.window_grad_norm / state.window_grad_n
+        if state.skipped_steps:
+            point["train/skipped_steps"] = state.skipped_steps
+        self.logger.scalars(step, point)
+        state.window_loss, state.window_n = 0.0, 0
+        state.window_grad_norm, state.window_grad_n = 0.0, 0
+
+    def _evaluate(self, step: int) -> bool:
+        """An evaluation: recorded, the best tracked (on_best), early stopping counted; True when the run stops after
+        this step (early stopping, or a callback's on_evaluation said so)."""
+        trainer, state = self.settings.trainer, self.state
+        evaluated = evaluate(self.engine, self.feed.val, trainer.eval_batches, self.feed.eval_metrics)
+        _non_finite_eval(evaluated, step, trainer)
+        state.metrics.update(evaluated)
+        if _track_best(state, step, evaluated, self.settings.watch):
+            self._call("on_best", step)
+        self.logger.scalars(step, evaluated)
+        stop = _early_stop(state, step, evaluated, trainer)
+        said = any([bool(c.on_evaluation(self, step, evaluated)) for c in self._having("on_evaluation")])
+        if said and not stop and state.pruned_at != step:
+            state.stopped_by_callback_at = step
+        return stop or said
+
+    def _checkpoint(self, step: int, save: SaveCheckpoint, stop: Any, last: bool) -> None:
+        """A checkpoint at the cadence, at the end, or when any rank got SIGTERM (then Preempted is raised)."""
+        every = self.settings.trainer.checkpoint.every
+        stopping = self.ranks.any_rank(stop.requested)
+        if (every and step % every == 0) or last or stopping:
+            path = save(self.state)
+            if stopping and not last:
+                raise Preempted(step, path, stop.signal or signal.SIGTERM)
+
+    def _having(self, method: str) -> list[Any]:
+        return [c for c in self.callbacks if callable(getattr(c, method, None))]
+
+    def _call(self, method: str, *args: Any) -> None:
+        for callback in self._having(method):
+            getattr(callback, method)(self, *args)
+
+    def _final(self) -> dict[str, Any]:
+        return _final(self.state, self.settings.trainer, self.settings.watch)
 
 
 def _already_stopped(state: LoopState, trainer: TrainerConfig) -> bool:
@@ -345,7 +412,9 @@ def _final(state: LoopState, trainer: TrainerConfig, watch: str) -> dict[str, An
     metrics["perf/first_step_s"] = state.first_step_s
     metrics["steps"] = state.step
     metrics["skipped_steps"] = state.skipped_steps
-    metrics["ended_by"] = "pruned" if state.pruned_at else "early_stopping" if state.stopped_early_at else "max_steps"
+    ended = [(state.pruned_at, "pruned"), (state.stopped_early_at, "early_stopping")]
+    ended.append((state.stopped_by_callback_at, "callback"))
+    metrics["ended_by"] = next((how for at, how in ended if at), "max_steps")
     if state.best_value is not None:
         metrics[f"best/{watched_metric(watch)[0]}"] = state.best_value
         metrics["best/step"] = state.best_step

@@ -15,7 +15,7 @@ from ortflow.config import OptimConfig, SchedulerConfig, SchedulerName, TrainerC
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import OrtflowError
 from ortflow.run.signals import Preempted
-from ortflow.run.trainer import LoopState, train_loop
+from ortflow.run.trainer import Feed, Loop, LoopSettings, LoopState
 from ortflow.step.scheduler import lr_at
 
 
@@ -75,7 +75,7 @@ def run(engine, tr, *, sched=None, state=None, save=None, optim_lr=1.0):
     optim = OmegaConf.merge(OmegaConf.structured(OptimConfig), {"lr": optim_lr})
     sched = sched or OmegaConf.structured(SchedulerConfig)
     logger = Recorder()
-    metrics = train_loop(engine, batches(), VAL, tr, optim, sched, logger, state=state, save=save)
+    metrics = Loop(engine, Feed(batches(), VAL), LoopSettings(tr, optim, sched), logger).run(state, save=save)
     return metrics, logger
 
 

@@ -1,0 +1,35 @@
+"""A user's callbacks, as docs/training.md shows them: importable by `_target_` from the config."""
+
+from typing import ClassVar
+
+from ortflow.run.callbacks import Callback
+
+
+class StopAt(Callback):
+    """Stops the run after the first evaluation whose accuracy reaches `accuracy`; records what the loop handed it."""
+
+    seen: ClassVar[list[tuple[str, int]]] = []  # (method, step), across instances: the test reads it after the run
+
+    def __init__(self, accuracy: float) -> None:
+        self.accuracy = accuracy
+
+    def on_train_start(self, loop) -> None:
+        StopAt.seen.append(("start", loop.state.step))
+
+    def on_step(self, loop, step, loss) -> None:
+        StopAt.seen.append(("step", step))
+
+    def on_evaluation(self, loop, step, evaluated):
+        StopAt.seen.append(("evaluation", step))
+        return evaluated.get("eval/accuracy", 0.0) >= self.accuracy
+
+    def on_best(self, loop, step) -> None:
+        StopAt.seen.append(("best", step))
+
+    def on_train_end(self, loop, metrics) -> None:
+        StopAt.seen.append(("end", metrics["steps"]))
+
+
+class NotACallback:
+    def __init__(self) -> None:
+        pass
