@@ -354,18 +354,10 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
 def _train(
     cfg: DictConfig, run: RunDir, overrides: list[str], world: World, user_callbacks: list[callbacks.Callback]
 ) -> tuple[dict[str, Any], dict[str, Any], nn.Module, Data]:
-    seed_everything(cfg.seed)
-    data = build_data(cfg)
-    model, dependence = build_checked_model(cfg, data)  # the same initial weights on every rank
-    if cfg.export.hf:
-        export_hf.check(model, cfg.export.hf_adapter_only)
-    if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
-        data.train = distributed.shard(data.train, world, cfg.seed)
+    """The run, composed: data and model, the engine (a resumed one from its checkpoint), the logger, the loop with
+    the run's callbacks and the user's, then what executed, the final weights and the exports."""
+    data, model, short = _data_and_model(cfg, run, world)
     results: dict[str, Any] = {"data": data.info, "parameters": ParameterCount.of(model).as_dict()}
-    if world.is_main:
-        for name, content in data.run_files.items():  # the run's tokenizer and data manifest (ortflow-predict)
-            write_bytes_atomic(run.path / name, content)
-    short = ShortBatches(dependence, data.train.batch_size)  # no padded rows for a model with batch statistics
     train_loader, val_loader = short.wrap(data.train, data.val)
     batches = ResumableBatches(train_loader)
     engine, state = run.start(
@@ -376,22 +368,11 @@ def _train(
         {"fingerprint": data.fingerprint, "tokenizer": data.tokenizer},
         cfg.trainer.allow_data_change,
     )
-    start = state.step if state else 0
     precision = results["precision"] = engine_precision(cfg, engine)
     results["machine"] = machine.describe(measure_bf16=precision != FP32)
     if world.is_main and (warning := machine.emulation_warning(precision)):
         log.warning(warning)
-    logger = RunLogger(
-        run.path,
-        cfg.logger,
-        cfg.trainer.max_steps,
-        start_step=start,
-        writes=world.is_main,
-        log_every=cfg.trainer.log_every,
-    )
-    logger.header(header(cfg, overrides, model, engine, run.path, start))
-    logger.text("config", OmegaConf.to_yaml(cfg, resolve=True))
-    logger.text("data", "\n".join(f"{k}: {v}" for k, v in data.info.items()))
+    logger = _logger(cfg, run, overrides, (model, engine, data), state.step if state else 0, world)
 
     def weights() -> dict[str, torch.Tensor]:
         return checkpoint.share_tied(engine.model_state_dict(), model)
@@ -406,34 +387,83 @@ def _train(
         metrics = loop.run(state, save=None if cfg.trainer.fast_dev_run else run.save)
         results["ended_by"] = metrics.pop("ended_by")
         results["data"] = {**data.info, "short_batches": short.record()}
-        execution = engine.describe()
-        if world.size > 1:  # proof per rank: each one's own engine says what executed there
-            execution["ranks_executed_by"] = distributed.gather(execution["executed_by"])
-            execution["world_size"] = world.size
-            execution["ranks_started_by"] = launch.ranks_started_by()
-            digests = distributed.gather(checkpoint.digest(engine.model_state_dict()))
-            execution["replicas_identical"] = len(set(digests)) == 1  # bitwise, checked at the end
-        # 1 when ONNX Runtime executed every training step, 0 otherwise: plotted beside the loss.
-        ort_executed = float(execution["executed_by"] == "onnxruntime")
-        logger.scalars(cfg.trainer.max_steps, {"engine/ort_executed": ort_executed})
-        logger.text("engine", "\n".join(f"{k}: {v}" for k, v in execution.items()))
-        hparams = hparams_from(overrides, cfg, engine.name)
-        logger.hparams(hparams, {k: v for k, v in metrics.items() if isinstance(v, float)})
+        results["engine"] = _execution(engine, world, logger, cfg.trainer.max_steps)
+        logger.hparams(
+            hparams_from(overrides, cfg, engine.name), {k: v for k, v in metrics.items() if isinstance(v, float)}
+        )
     finally:
         logger.close()
-    results["engine"] = execution
     run.note(metrics=metrics, **results)  # recorded even if what follows fails
     final = weights()
     if not cfg.trainer.fast_dev_run:
         run.write_final(final)  # before the load below: a model that refuses them does not lose the trained weights
     load_trained(model, final, None if cfg.trainer.fast_dev_run else run.checkpoints / "final.pt")
-    if cfg.export.onnx and world.is_main:
+    if world.is_main:
+        results |= _exports(cfg, model, final, data, run)
+    return metrics, results, model, data
+
+
+def _data_and_model(cfg: DictConfig, run: RunDir, world: World) -> tuple[Data, nn.Module, ShortBatches]:
+    """The data (this rank's shard), the checked model with the same initial weights on every rank, the run's data
+    files written, and how short batches are handled for it."""
+    seed_everything(cfg.seed)
+    data = build_data(cfg)
+    model, dependence = build_checked_model(cfg, data)  # the same initial weights on every rank
+    if cfg.export.hf:
+        export_hf.check(model, cfg.export.hf_adapter_only)
+    if cfg.distributed.name != "none":  # with any number of processes, so that runs of 1 and N ranks compare
+        data.train = distributed.shard(data.train, world, cfg.seed)
+    if world.is_main:
+        for name, content in data.run_files.items():  # the run's tokenizer and data manifest (ortflow-predict)
+            write_bytes_atomic(run.path / name, content)
+    return data, model, ShortBatches(dependence, data.train.batch_size)  # no padded rows with batch statistics
+
+
+def _logger(
+    cfg: DictConfig, run: RunDir, overrides: list[str], built: tuple[nn.Module, Engine, Data], start: int, world: World
+) -> RunLogger:
+    """The run's logger (TensorBoard, metrics.jsonl, the terminal), its header and the config and data written."""
+    model, engine, data = built
+    logger = RunLogger(
+        run.path,
+        cfg.logger,
+        cfg.trainer.max_steps,
+        start_step=start,
+        writes=world.is_main,
+        log_every=cfg.trainer.log_every,
+    )
+    logger.header(header(cfg, overrides, model, engine, run.path, start))
+    logger.text("config", OmegaConf.to_yaml(cfg, resolve=True))
+    logger.text("data", "\n".join(f"{k}: {v}" for k, v in data.info.items()))
+    return logger
+
+
+def _execution(engine: Engine, world: World, logger: RunLogger, last_step: int) -> dict[str, Any]:
+    """What executed the run, by the engine's own counters (on every rank of a distributed run, with whether the
+    replicas ended bitwise equal), logged beside the loss."""
+    execution = engine.describe()
+    if world.size > 1:  # proof per rank: each one's own engine says what executed there
+        execution["ranks_executed_by"] = distributed.gather(execution["executed_by"])
+        execution["world_size"] = world.size
+        execution["ranks_started_by"] = launch.ranks_started_by()
+        digests = distributed.gather(checkpoint.digest(engine.model_state_dict()))
+        execution["replicas_identical"] = len(set(digests)) == 1  # bitwise, checked at the end
+    # 1 when ONNX Runtime executed every training step, 0 otherwise: plotted beside the loss.
+    logger.scalars(last_step, {"engine/ort_executed": float(execution["executed_by"] == "onnxruntime")})
+    logger.text("engine", "\n".join(f"{k}: {v}" for k, v in execution.items()))
+    return execution
+
+
+def _exports(cfg: DictConfig, model: nn.Module, final: dict[str, torch.Tensor], data: Data, run: RunDir) -> dict:
+    """The exports the config asks for (export.onnx, export.hf, export.device), each checked; their records."""
+    results: dict[str, Any] = {}
+    if cfg.export.onnx:
         results["export"] = export.inference_onnx(model, final, data, run.path, cfg.export.opset, cfg.export.tolerance)
-    if cfg.export.hf and world.is_main:
+    if cfg.export.hf:
         inputs = split_batch(next(iter(data.val)))[0]
         adapter_only, tolerance = cfg.export.hf_adapter_only, cfg.export.tolerance
         results["export_hf"] = export_hf.save(model, data.run_files, inputs, run.path, adapter_only, tolerance)
-    if cfg.export.device and world.is_main:
+    if cfg.export.device:
         from ortflow.device import export as device_export
 
         request = device_export.Request(out=run.path / "device", web=cfg.export.device_web)
@@ -444,4 +474,4 @@ def _train(
             "checked_without_torch": manifest["check"]["passed"],
             "web": "web" in manifest,
         }
-    return metrics, results, model, data
+    return results
