@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ortflow.accel import auto
+from ortflow.accel import auto, auto_cache, auto_decision, auto_probe
 from ortflow.errors import OrtflowError
 from ortflow.run.runner import build_data, build_model, engine_context, train
 from tests.conftest import TINY, make_cfg
@@ -93,10 +93,10 @@ def test_trainer_precision_auto_measures_the_engine_in_both_precisions_where_the
 
 
 def test_the_median_interval_is_the_sign_tests():
-    assert auto.median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)  # n = 5: the extremes (2/32 <= 0.1)
+    assert auto_decision.median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)  # n = 5: the extremes (2/32 <= 0.1)
     ten = [float(v) for v in range(10, 0, -1)]
-    assert auto.median_interval(ten) == (2.0, 9.0)  # n = 10: P(B <= 1) = 11/1024 <= 0.05 < P(B <= 2)
-    assert auto.median_interval([1.0, 2.0, 3.0, 4.0]) == (0.0, float("inf"))  # too few for 90%
+    assert auto_decision.median_interval(ten) == (2.0, 9.0)  # n = 10: P(B <= 1) = 11/1024 <= 0.05 < P(B <= 2)
+    assert auto_decision.median_interval([1.0, 2.0, 3.0, 4.0]) == (0.0, float("inf"))  # too few for 90%
 
 
 def probe(engine: str, ms: float | None, precision: str = "fp32") -> auto.Probe:
@@ -140,9 +140,9 @@ class Plain:
 
 
 def test_a_candidate_counts_only_with_a_finite_loss_executed_as_it_should():
-    assert auto._not_as_it_should("ortmodule", Plain("onnxruntime"), 1.5) is None
-    assert "executed by pytorch, not onnxruntime" in auto._not_as_it_should("ortmodule", Plain("pytorch"), 1.5)
-    assert "loss was nan" in auto._not_as_it_should("artifacts", Plain("onnxruntime"), float("nan"))
+    assert auto_probe._not_as_it_should("ortmodule", Plain("onnxruntime"), 1.5) is None
+    assert "executed by pytorch, not onnxruntime" in auto_probe._not_as_it_should("ortmodule", Plain("pytorch"), 1.5)
+    assert "loss was nan" in auto_probe._not_as_it_should("artifacts", Plain("onnxruntime"), float("nan"))
 
 
 @pytest.fixture
@@ -180,17 +180,17 @@ def test_failures_are_never_cached_and_a_cached_decision_spares_the_probe(measur
     calls.clear()
     chosen, _, cached, _ = auto.decide(ctx, settings, ["none", "ortmodule", "artifacts"], ["fp32"])
     assert calls == [] and cached and chosen.engine == "artifacts"  # all ran once: the decision is cached
-    key = auto.cache_key(ctx, ["none", "ortmodule", "artifacts"], ["fp32"], settings)
+    key = auto_cache.cache_key(ctx, ["none", "ortmodule", "artifacts"], ["fp32"], settings)
     assert key != _key_with_version(ctx, settings, "0.0.0+other")  # another ortflow: another key
 
 
 def _key_with_version(ctx, settings, version: str) -> str:
-    saved = auto.ortflow_version
+    saved = auto_cache.ortflow_version
     try:
-        auto.ortflow_version = lambda: version
-        return auto.cache_key(ctx, ["none", "ortmodule", "artifacts"], ["fp32"], settings)
+        auto_cache.ortflow_version = lambda: version
+        return auto_cache.cache_key(ctx, ["none", "ortmodule", "artifacts"], ["fp32"], settings)
     finally:
-        auto.ortflow_version = saved
+        auto_cache.ortflow_version = saved
 
 
 def test_a_cached_choice_that_no_longer_builds_is_dropped_and_probed_again(measured, monkeypatch, tmp_path):
