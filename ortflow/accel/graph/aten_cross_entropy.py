@@ -217,8 +217,7 @@ def softmax_cross_entropies_to_aten(model: onnx.ModelProto) -> int:
         return 0
     del graph.node[:]
     graph.node.extend(kept)
-    if not any(o.domain == "org.pytorch.aten" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("org.pytorch.aten", 1))
+    aten_nodes.import_domain(model)
     # ORT cannot infer an ATen node's output type: the loss is a float scalar, as SoftmaxCrossEntropyLoss's was
     typed = {v.name for v in (*graph.input, *graph.value_info, *graph.output) if v.type.tensor_type.elem_type}
     for node in graph.node:

@@ -144,8 +144,7 @@ def tanh_gelus_to_aten(model: onnx.ModelProto) -> int:
     if not replaced:
         return 0
     onnx_values.replace_nodes(graph, {out: [node] for out, node in replaced.items()}, dropped)
-    if not any(o.domain == "org.pytorch.aten" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("org.pytorch.aten", 1))
+    aten_nodes.import_domain(model)
     # ORT cannot infer an ATen node's output type: each output is typed as its input (the graph's floats)
     typed = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
     for out, node in replaced.items():

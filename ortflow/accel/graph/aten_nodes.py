@@ -57,6 +57,12 @@ def one_node_gradient(backward: str, inputs: list[str], gradients: int = 3) -> C
     return lambda: [(*node, {"operator": {"value": backward, "dtype": "string"}})]
 
 
+def import_domain(model: onnx.ModelProto) -> None:
+    """Have the model's opset imports name the ATen nodes' domain (once), after a rewrite wrote such nodes."""
+    if not any(o.domain == "org.pytorch.aten" for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid("org.pytorch.aten", 1))
+
+
 def register(op: AtenOp) -> None:
     OPS[op.forward] = op
 

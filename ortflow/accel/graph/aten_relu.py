@@ -64,6 +64,8 @@ def relus_to_aten(model: onnx.ModelProto) -> int:
     """Replace each float32 `Relu` by one ATen node running `ortflow::relu`, its output typed as the input. Returns
     how many it replaced."""
     graph = model.graph
+    if not any(node.op_type == "Relu" for node in graph.node):
+        return 0  # (before the shape inference below)
     types = value_types(model)
     typed = {v.name for v in (*graph.input, *graph.value_info, *graph.output) if v.type.tensor_type.elem_type}
     nodes: list[onnx.NodeProto] = []
@@ -76,10 +78,15 @@ def relus_to_aten(model: onnx.ModelProto) -> int:
         name = f"{node.name or node.output[0]}/relu"
         nodes.append(
             helper.make_node(
-                "ATen", [node.input[0]], [node.output[0]], name=name, domain="org.pytorch.aten", operator=OPERATOR
+                "ATen",
+                [node.input[0]],
+                [node.output[0]],
+                name=name,
+                domain="org.pytorch.aten",
+                operator=OPERATOR,
+                overload_name="",
             )
         )
-        nodes[-1].attribute.append(helper.make_attribute("overload_name", ""))
         if node.output[0] not in typed:  # ORT cannot infer an ATen node's output type: the input's, shape too (an
             # Add of it and a tensor of the same shape then needs no broadcast reduction in its gradient)
             graph.value_info.append(helper.make_empty_tensor_value_info(node.output[0]))
@@ -88,8 +95,7 @@ def relus_to_aten(model: onnx.ModelProto) -> int:
     if changed:
         del graph.node[:]
         graph.node.extend(nodes)
-        if not any(o.domain == "org.pytorch.aten" for o in model.opset_import):
-            model.opset_import.append(helper.make_opsetid("org.pytorch.aten", 1))
+        aten_nodes.import_domain(model)
     return changed
 
 

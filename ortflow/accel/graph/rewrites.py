@@ -241,6 +241,8 @@ def relu_to_mask_mul(model: onnx.ModelProto) -> int:
     computes as a parallel Mul instead of its single-threaded CPU ReluGrad. Only float32 Relus are rewritten.
     """
     graph = model.graph
+    if not any(node.op_type == "Relu" for node in graph.node):
+        return 0  # (before the shape inference below)
     types = value_types(model)
     nodes: list[onnx.NodeProto] = []
     changed = 0
