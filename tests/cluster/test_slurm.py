@@ -69,7 +69,8 @@ def test_a_sweep_on_slurm_is_preempted_requeued_by_submitit_and_resumes_exactly(
             driver.wait(timeout=300)  # about 20 s on a quiet 2-core machine
         except subprocess.TimeoutExpired:
             logs = "".join(f"{p}:\n{p.read_text()[-3000:]}\n" for p in (sweep_dir / ".submitit").rglob("*_log.*"))
-            pytest.fail(f"the sweep did not end:\n{cluster.diagnosis(job_id)}\n{logs}\n{log.read_text()[-3000:]}")
+            # The jobs' own logs last, where a shortened report keeps them
+            pytest.fail(f"the sweep did not end:\n{cluster.diagnosis(job_id)}\n{log.read_text()[-3000:]}\n{logs}")
         finally:
             if driver.poll() is None:
                 driver.kill()

@@ -340,14 +340,25 @@ class SlurmCluster:
         return "\n".join(parts)
 
     def start_requeued_now(self, job_id: str, timeout: float = 120) -> None:
-        """SLURM holds a requeued job for about 2 minutes (its begin time); once `job_id` is back in the queue, move
-        that to now, so the test does not wait."""
+        """SLURM holds a requeued job for about 2 minutes (its begin time); once `job_id` is back in the queue and its
+        last run's step daemons are gone from the node, move that to now, so the test does not wait. A launch that
+        reaches slurmd while one of them is still ending (slow on a loaded machine) fails the job at once ("Job N
+        already running, do not launch second copy"): the hold exists for that, and the test waits for it here."""
+        internal: list[str] = []
 
         def pending_again() -> bool:
             shown = subprocess.run(["scontrol", "show", "job", job_id], env=self.env, capture_output=True, text=True)
+            internal[:] = re.findall(r"\bJobId=(\d+)", shown.stdout)[:1]
             return "JobState=PENDING" in shown.stdout and "Restarts=0" not in shown.stdout
 
+        def steps_gone() -> bool:  # slurmd's own test: a step daemon's socket in its spool dir, and the process
+            number = internal[0]
+            sockets = list((self.root / "spool").glob(f"*_{number}.*"))
+            titles = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+            return not sockets and f"slurmstepd: [{number}." not in titles
+
         self._wait(pending_again, f"job {job_id} to be requeued", timeout)
+        self._wait(steps_gone, f"job {job_id}'s last run to end on the node", timeout)
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=self.env, check=True)
 
     def stop(self) -> None:
