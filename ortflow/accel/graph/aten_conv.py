@@ -112,34 +112,21 @@ _LIBRARY.impl("convolution_bf16_backward", _convolution_bf16_backward, "CPU")
 
 
 # ORT's gradient of the forward node: one ATen node on GO(0) and the forward node's ten inputs, returning the
-# gradients of input, weight and bias.
+# gradients of input, weight and bias (which may get one); the mask is the forward node's tenth input.
 _GRADIENT_INPUTS = ["GO(0)", *(f"I({i})" for i in range(10))]
-gradient = aten_nodes.one_node_gradient(BACKWARD, _GRADIENT_INPUTS)
-
-
-# input, weight and bias may get a gradient; the mask is the forward node's tenth input
-aten_nodes.register(
-    aten_nodes.AtenOp(
-        OPERATOR,
-        BACKWARD,
+for _forward, _backward, _fixes in (
+    (OPERATOR, BACKWARD, "convolutions_run_by_torch"),
+    (OPERATOR_BF16, BACKWARD_BF16, "convolutions_run_by_torch_bf16"),
+):
+    aten_nodes.declare(
+        _forward,
+        _backward,
+        _GRADIENT_INPUTS,
         differentiable=(0, 1, 2),
         mask_input=9,
-        gradient=gradient,
-        fix_name="convolutions_run_by_torch",
+        fix_name=_fixes,
         shape=aten_shapes.convolution_shape,
     )
-)
-aten_nodes.register(
-    aten_nodes.AtenOp(
-        OPERATOR_BF16,
-        BACKWARD_BF16,
-        (0, 1, 2),
-        mask_input=9,
-        gradient=aten_nodes.one_node_gradient(BACKWARD_BF16, _GRADIENT_INPUTS),
-        fix_name="convolutions_run_by_torch_bf16",
-        shape=aten_shapes.convolution_shape,
-    )
-)
 
 
 def _ints(g: Any, values: list[int]) -> Any:
@@ -236,14 +223,11 @@ def _convolution_mode_symbolic(plan: graph_plan.GraphPlan, native) -> Any:
 
 
 NAME = "convolution"
-OP = graph_plan.declare(
-    graph_plan.GraphOp(
-        NAME,
-        replaces="Conv and ConvTranspose (aten::_convolution, aten::_convolution_mode: nn.Conv*d, F.conv*d)",
-        module=__name__,
-        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
-        choose=lambda settings, precision, engine: graph_plan.Path.torch if settings.aten_conv else graph_plan.Path.ort,
-        setting="aten_conv",
-        symbolics={"::_convolution": _convolution_symbolic, "::_convolution_mode": _convolution_mode_symbolic},
-    )
+OP = graph_plan.torch_or_ort(
+    NAME,
+    replaces="Conv and ConvTranspose (aten::_convolution, aten::_convolution_mode: nn.Conv*d, F.conv*d)",
+    module=__name__,
+    setting="aten_conv",
+    by_torch=lambda settings, precision: bool(settings.aten_conv),
+    symbolics={"::_convolution": _convolution_symbolic, "::_convolution_mode": _convolution_mode_symbolic},
 )

@@ -129,35 +129,25 @@ _LIBRARY.impl("linear_cross_entropy_bf16", _linear_cross_entropy, "CPU")
 _LIBRARY.impl("linear_cross_entropy_bf16_backward", _linear_cross_entropy_backward, "CPU")
 
 
-_gradient = aten_nodes.one_node_gradient(BACKWARD, ["GO(0)", "I(0)", "I(1)", "I(2)", "I(3)"], gradients=1)
-
-
-aten_nodes.register(
-    aten_nodes.AtenOp(
-        OPERATOR,
-        BACKWARD,
-        differentiable=(0,),
-        mask_input=None,
-        gradient=_gradient,
-        fix_name="cross_entropies_run_by_torch",
-        shape=aten_shapes.scalar_shape,
-    )
+aten_nodes.declare(
+    OPERATOR,
+    BACKWARD,
+    ["GO(0)", "I(0)", "I(1)", "I(2)", "I(3)"],
+    gradients=1,
+    differentiable=(0,),
+    mask_input=None,
+    fix_name="cross_entropies_run_by_torch",
+    shape=aten_shapes.scalar_shape,
 )
-
-
-aten_nodes.register(
-    aten_nodes.AtenOp(
-        FUSED,
-        FUSED_BACKWARD,
-        differentiable=(0, 1, 2),  # the GEMM's a, b and bias, at the GEMM node's input positions
-        mask_input=4,
-        gradient=aten_nodes.one_node_gradient(
-            FUSED_BACKWARD, ["GO(0)", "O(1)", "O(2)", "O(3)", "I(2)", "I(3)", "I(4)"]
-        ),
-        fix_name="lm_head_losses_fused_bf16",
-        frozen_input=1,
-        shape=aten_shapes.linear_loss_shape,
-    )
+aten_nodes.declare(
+    FUSED,
+    FUSED_BACKWARD,
+    ["GO(0)", "O(1)", "O(2)", "O(3)", "I(2)", "I(3)", "I(4)"],
+    differentiable=(0, 1, 2),  # the GEMM's a, b and bias, at the GEMM node's input positions
+    mask_input=4,
+    fix_name="lm_head_losses_fused_bf16",
+    frozen_input=1,
+    shape=aten_shapes.linear_loss_shape,
 )
 
 
@@ -299,18 +289,10 @@ def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_pla
 
 
 NAME = "cross_entropy"
-OP = graph_plan.declare(
-    graph_plan.GraphOp(
-        NAME,
-        replaces="SoftmaxCrossEntropyLoss (F.cross_entropy); in bf16 fused with the LM head's GEMM",
-        module=__name__,
-        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
-        choose=lambda settings, precision, engine: (
-            graph_plan.Path.torch
-            if graph_plan.switch(settings, "aten_cross_entropy", precision)
-            else graph_plan.Path.ort
-        ),
-        setting="aten_cross_entropy",
-        rewrite=_rewrite,
-    )
+OP = graph_plan.torch_or_ort(
+    NAME,
+    replaces="SoftmaxCrossEntropyLoss (F.cross_entropy); in bf16 fused with the LM head's GEMM",
+    module=__name__,
+    setting="aten_cross_entropy",
+    rewrite=_rewrite,
 )

@@ -43,19 +43,15 @@ _LIBRARY.impl("gelu_tanh", _gelu, "CPU")
 _LIBRARY.impl("gelu_tanh_backward", _gelu_backward, "CPU")
 
 
-_gradient = aten_nodes.one_node_gradient(BACKWARD, ["GO(0)", "I(0)"], gradients=1)
-
-
-aten_nodes.register(
-    aten_nodes.AtenOp(
-        OPERATOR,
-        BACKWARD,
-        differentiable=(0,),
-        mask_input=None,
-        gradient=_gradient,
-        fix_name="gelus_run_by_torch",
-        shape=aten_shapes.same_shape,
-    )
+aten_nodes.declare(
+    OPERATOR,
+    BACKWARD,
+    ["GO(0)", "I(0)"],
+    gradients=1,
+    differentiable=(0,),
+    mask_input=None,
+    fix_name="gelus_run_by_torch",
+    shape=aten_shapes.same_shape,
 )
 
 _CONSTANTS = {"cube": 3.0, "coefficient": 0.044715, "scale": math.sqrt(2.0 / math.pi), "one": 1.0, "half": 0.5}
@@ -74,63 +70,81 @@ def _scalars(graph: onnx.GraphProto) -> dict[str, float]:
     return found
 
 
+class _Formula:
+    """The exported graph as the GELU formula's matcher reads it: constants, who produces and who reads each value."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.scalars = _scalars(graph)
+        self.producer = {out: node for node in graph.node for out in node.output}
+        self.reads = onnx_values.readers(graph)
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for name in node.input:
+                self.consumers.setdefault(name, []).append(node)
+
+    def near(self, name: str, which: str) -> bool:
+        return name in self.scalars and math.isclose(self.scalars[name], _CONSTANTS[which], rel_tol=1e-5)
+
+    def split(self, node: onnx.NodeProto | None, op: str, which: str) -> str | None:
+        """The other operand of a binary `op` node with the constant `which` as one operand (None: no match)."""
+        if node is None or node.op_type != op or len(node.input) != 2:
+            return None
+        a, b = node.input
+        return a if self.near(b, which) else b if self.near(a, which) else None
+
+    def only_read_once(self, *nodes: onnx.NodeProto) -> bool:
+        return all(self.reads.get(node.output[0], 0) == 1 for node in nodes)
+
+    def _cubic(self, inner: onnx.NodeProto) -> tuple[str, tuple[onnx.NodeProto, onnx.NodeProto]] | None:
+        """x and the nodes of `Mul(Pow(x, 3), 0.044715)`, where `inner` is `Add(x, that)` in either order."""
+        found = None
+        for first, second in (inner.input, inner.input[::-1]):
+            cube_term = self.producer.get(second)
+            power_name = self.split(cube_term, "Mul", "coefficient")
+            power = self.producer.get(power_name) if power_name else None
+            cube = power is not None and power.op_type == "Pow" and self.near(power.input[1], "cube")
+            if power is not None and cube and power.input[0] == first:
+                found = first, (cube_term, power)
+        return found
+
+    def match(self, tanh: onnx.NodeProto) -> tuple[str, list[onnx.NodeProto], onnx.NodeProto] | None:
+        """x, the formula's nodes before the final Mul, and that Mul, for the GELU around `tanh` (None: no GELU)."""
+        scaled = self.producer.get(tanh.input[0])
+        inner_name = self.split(scaled, "Mul", "scale")
+        inner = self.producer.get(inner_name) if inner_name else None
+        if inner is None or inner.op_type != "Add" or scaled is None:
+            return None
+        cubic = self._cubic(inner)
+        if cubic is None or len(self.consumers.get(tanh.output[0], [])) != 1:
+            return None
+        x = cubic[0]
+        plus_one = self.consumers[tanh.output[0]][0]
+        if self.split(plus_one, "Add", "one") != tanh.output[0] or len(self.consumers.get(plus_one.output[0], [])) != 1:
+            return None
+        final = self.consumers[plus_one.output[0]][0]
+        if final.op_type != "Mul":
+            return None
+        half_name = final.input[1] if final.input[0] == plus_one.output[0] else final.input[0]
+        half = self.producer.get(half_name)
+        if self.split(half, "Mul", "half") != x or half is None:
+            return None
+        pattern = [cubic[1][1], cubic[1][0], inner, scaled, tanh, plus_one, half]
+        return (x, pattern, final) if self.only_read_once(*pattern) else None
+
+
 def tanh_gelus_to_aten(model: onnx.ModelProto) -> int:
     """Replace each exported tanh-approximated GELU, `Mul(Mul(x, 0.5), Add(Tanh(Mul(Add(x, Mul(Pow(x, 3), 0.044715)),
     sqrt(2/pi))), 1))` with the operands of each Mul and Add in either order, whose intermediate values nothing else
     reads, by one ATen node running `ortflow::gelu_tanh(x)`. Returns how many it replaced."""
     graph = model.graph
-    scalars = _scalars(graph)
-    producer = {out: node for node in graph.node for out in node.output}
-    reads = onnx_values.readers(graph)
-
-    def near(name: str, which: str) -> bool:
-        return name in scalars and math.isclose(scalars[name], _CONSTANTS[which], rel_tol=1e-5)
-
-    def split(node: onnx.NodeProto | None, op: str, which: str) -> str | None:
-        """The other operand of a binary `op` node with the constant `which` as one operand (None: no match)."""
-        if node is None or node.op_type != op or len(node.input) != 2:
-            return None
-        a, b = node.input
-        return a if near(b, which) else b if near(a, which) else None
-
-    def only_read_once(*nodes: onnx.NodeProto) -> bool:
-        return all(reads.get(node.output[0], 0) == 1 for node in nodes)
-
+    formula = _Formula(graph)
     replaced: dict[str, onnx.NodeProto] = {}  # the final Mul's output -> its ATen node
     dropped: set[str] = set()  # the formula's nodes, by their (unique) output
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
     for tanh in (n for n in graph.node if n.op_type == "Tanh"):
-        scaled = producer.get(tanh.input[0])
-        inner_name = split(scaled, "Mul", "scale")
-        inner = producer.get(inner_name) if inner_name else None
-        if inner is None or inner.op_type != "Add" or scaled is None:
+        found = formula.match(tanh)
+        if found is None:
             continue
-        x = cubic = None
-        for first, second in (inner.input, inner.input[::-1]):
-            cube_term = producer.get(second)
-            power_name = split(cube_term, "Mul", "coefficient")
-            power = producer.get(power_name) if power_name else None
-            cube = power is not None and power.op_type == "Pow" and near(power.input[1], "cube")
-            if power is not None and cube and power.input[0] == first:
-                x, cubic = first, (cube_term, power)
-        if x is None or cubic is None or len(consumers.get(tanh.output[0], [])) != 1:
-            continue
-        plus_one = consumers[tanh.output[0]][0]
-        if split(plus_one, "Add", "one") != tanh.output[0] or len(consumers.get(plus_one.output[0], [])) != 1:
-            continue
-        final = consumers[plus_one.output[0]][0]
-        if final.op_type != "Mul":
-            continue
-        half_name = final.input[1] if final.input[0] == plus_one.output[0] else final.input[0]
-        half = producer.get(half_name)
-        if split(half, "Mul", "half") != x or half is None:
-            continue
-        pattern = [cubic[1], cubic[0], inner, scaled, tanh, plus_one, half]
-        if not only_read_once(*pattern):
-            continue
+        x, pattern, final = found
         replaced[final.output[0]] = helper.make_node(
             "ATen",
             [x],
@@ -145,7 +159,12 @@ def tanh_gelus_to_aten(model: onnx.ModelProto) -> int:
         return 0
     onnx_values.replace_nodes(graph, {out: [node] for out, node in replaced.items()}, dropped)
     aten_nodes.import_domain(model)
-    # ORT cannot infer an ATen node's output type: each output is typed as its input (the graph's floats)
+    _type_as_inputs(graph, replaced)
+    return len(replaced)
+
+
+def _type_as_inputs(graph: onnx.GraphProto, replaced: dict[str, onnx.NodeProto]) -> None:
+    """ORT cannot infer an ATen node's output type: each output is typed as its input (the graph's floats)."""
     typed = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
     for out, node in replaced.items():
         if out in typed and typed[out].type.tensor_type.elem_type:
@@ -154,7 +173,6 @@ def tanh_gelus_to_aten(model: onnx.ModelProto) -> int:
         elem = source.type.tensor_type.elem_type if source is not None else 0
         graph.value_info.append(helper.make_empty_tensor_value_info(out))
         graph.value_info[-1].type.tensor_type.elem_type = elem or onnx.TensorProto.FLOAT
-    return len(replaced)
 
 
 def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
@@ -163,16 +181,10 @@ def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_pla
 
 
 NAME = "gelu"
-OP = graph_plan.declare(
-    graph_plan.GraphOp(
-        NAME,
-        replaces="GELU's tanh approximation (ORT fuses its formula into FastGelu, whose gradient is FastGeluGrad)",
-        module=__name__,
-        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
-        choose=lambda settings, precision, engine: (
-            graph_plan.Path.torch if graph_plan.switch(settings, "aten_gelu", precision) else graph_plan.Path.ort
-        ),
-        setting="aten_gelu",
-        rewrite=_rewrite,
-    )
+OP = graph_plan.torch_or_ort(
+    NAME,
+    replaces="GELU's tanh approximation (ORT fuses its formula into FastGelu, whose gradient is FastGeluGrad)",
+    module=__name__,
+    setting="aten_gelu",
+    rewrite=_rewrite,
 )

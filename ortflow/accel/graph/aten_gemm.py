@@ -99,23 +99,18 @@ _LIBRARY.impl("gemm_bf16_backward", gemm_backward, "CPU")
 
 
 # ORT's gradient of the forward node: one ATen node on GO(0), the forward node's bf16 copies of a and b (its outputs 1
-# and 2), its bias, transpose flag and mask; it returns the gradients of a, b and bias.
-gradient = aten_nodes.one_node_gradient(BACKWARD, ["GO(0)", "O(1)", "O(2)", "I(2)", "I(3)", "I(4)"])
-
-
-# a, b and bias may get a gradient; the mask is the forward node's fifth input
-aten_nodes.register(
-    aten_nodes.AtenOp(
-        OPERATOR,
-        BACKWARD,
-        differentiable=(0, 1, 2),
-        mask_input=4,
-        gradient=gradient,
-        fix_name="matmuls_run_by_torch_bf16",
-        frozen_input=1,  # b: a frozen weight's bf16 copy is kept from step to step
-        bf16_input=0,  # a: bf16 where the GEMM before it hands bf16 along (accel/graph/bf16_edges.py)
-        shape=aten_shapes.gemm_shape,
-    )
+# and 2), its bias, transpose flag and mask; it returns the gradients of a, b and bias (which may get one; the mask is
+# the forward node's fifth input).
+aten_nodes.declare(
+    OPERATOR,
+    BACKWARD,
+    ["GO(0)", "O(1)", "O(2)", "I(2)", "I(3)", "I(4)"],
+    differentiable=(0, 1, 2),
+    mask_input=4,
+    fix_name="matmuls_run_by_torch_bf16",
+    frozen_input=1,  # b: a frozen weight's bf16 copy is kept from step to step
+    bf16_input=0,  # a: bf16 where the GEMM before it hands bf16 along (accel/graph/bf16_edges.py)
+    shape=aten_shapes.gemm_shape,
 )
 
 
@@ -188,18 +183,15 @@ def _on_torch_path(bf16_symbolic):
 
 
 NAME = "gemm"
-OP = graph_plan.declare(
-    graph_plan.GraphOp(
-        NAME,
-        replaces="MatMul and Gemm in fp32 (aten::linear, aten::matmul, aten::bmm, aten::addmm) by bf16 GEMMs",
-        module=__name__,
-        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
-        choose=lambda settings, precision, engine: graph_plan.Path.torch if precision == BF16 else graph_plan.Path.ort,
-        symbolics={
-            "::linear": _on_torch_path(linear),
-            "::matmul": _on_torch_path(matmul),
-            "::bmm": _on_torch_path(matmul),
-            "::addmm": _on_torch_path(addmm),
-        },
-    )
+OP = graph_plan.torch_or_ort(
+    NAME,
+    replaces="MatMul and Gemm in fp32 (aten::linear, aten::matmul, aten::bmm, aten::addmm) by bf16 GEMMs",
+    module=__name__,
+    by_torch=lambda settings, precision: precision == BF16,
+    symbolics={
+        "::linear": _on_torch_path(linear),
+        "::matmul": _on_torch_path(matmul),
+        "::bmm": _on_torch_path(matmul),
+        "::addmm": _on_torch_path(addmm),
+    },
 )

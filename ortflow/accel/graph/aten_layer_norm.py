@@ -53,20 +53,15 @@ _LIBRARY.impl("layer_norm_backward", _layer_norm_backward, "CPU")
 
 
 # ORT's gradient of the forward node: one ATen node on GO(0), the forward node's six inputs and its saved mean and
-# 1/std; it returns the gradients of input, weight and bias.
-gradient = aten_nodes.one_node_gradient(BACKWARD, ["GO(0)", *(f"I({i})" for i in range(6)), "O(1)", "O(2)"])
-
-
-# input, weight and bias (the first three inputs) may get a gradient; the mask is the forward node's sixth input
-aten_nodes.register(
-    aten_nodes.AtenOp(
-        OPERATOR,
-        BACKWARD,
-        differentiable=(0, 1, 2),
-        mask_input=5,
-        gradient=gradient,
-        fix_name="layer_norms_run_by_torch",
-    )
+# 1/std; it returns the gradients of input, weight and bias (the first three inputs, which may get one; the mask is
+# the forward node's sixth input).
+aten_nodes.declare(
+    OPERATOR,
+    BACKWARD,
+    ["GO(0)", *(f"I({i})" for i in range(6)), "O(1)", "O(2)"],
+    differentiable=(0, 1, 2),
+    mask_input=5,
+    fix_name="layer_norms_run_by_torch",
 )
 
 
@@ -103,16 +98,10 @@ def _layer_norm_symbolic(plan: graph_plan.GraphPlan, native) -> Any:
 
 
 NAME = "layer_norm"
-OP = graph_plan.declare(
-    graph_plan.GraphOp(
-        NAME,
-        replaces="LayerNormalization (aten::layer_norm: nn.LayerNorm, F.layer_norm)",
-        module=__name__,
-        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
-        choose=lambda settings, precision, engine: (
-            graph_plan.Path.torch if graph_plan.switch(settings, "aten_layer_norm", precision) else graph_plan.Path.ort
-        ),
-        setting="aten_layer_norm",
-        symbolics={"::layer_norm": _layer_norm_symbolic},
-    )
+OP = graph_plan.torch_or_ort(
+    NAME,
+    replaces="LayerNormalization (aten::layer_norm: nn.LayerNorm, F.layer_norm)",
+    module=__name__,
+    setting="aten_layer_norm",
+    symbolics={"::layer_norm": _layer_norm_symbolic},
 )

@@ -67,6 +67,27 @@ def register(op: AtenOp) -> None:
     OPS[op.forward] = op
 
 
+def declare(
+    forward: str,
+    backward: str,
+    gradient_inputs: list[str] | None,
+    *,
+    differentiable: tuple[int, ...],
+    mask_input: int | None,
+    fix_name: str,
+    gradients: int = 3,
+    **optional: Any,
+) -> AtenOp:
+    """Register one of ortflow's operators, the way every op module declares its own: `forward` runs in an ATen node,
+    and its gradient is one ATen node running `backward` on `gradient_inputs` (one_node_gradient; None: ORTModule's
+    registry has it), returning the gradients of the first `gradients` inputs. `optional`: AtenOp's other fields
+    (overload, frozen_input, bf16_input, shape)."""
+    gradient = None if gradient_inputs is None else one_node_gradient(backward, gradient_inputs, gradients)
+    op = AtenOp(forward, backward, differentiable, mask_input, gradient, fix_name, **optional)
+    register(op)
+    return op
+
+
 def register_gradients() -> None:
     """Give ORT the gradient of every registered operator (once per process; ORTModule publishes its registry when it
     is built, the artifacts engine before generate_artifacts). Imports ORTModule (the torch patches first)."""

@@ -44,19 +44,15 @@ _LIBRARY.impl("relu", _relu, "CPU")
 _LIBRARY.impl("relu_backward", _relu_backward, "CPU")
 
 
-_gradient = aten_nodes.one_node_gradient(BACKWARD, ["GO(0)", "O(0)"], gradients=1)
-
-
-aten_nodes.register(
-    aten_nodes.AtenOp(
-        OPERATOR,
-        BACKWARD,
-        differentiable=(0,),
-        mask_input=None,
-        gradient=_gradient,
-        fix_name="relus_run_by_torch",
-        shape=aten_shapes.same_shape,
-    )
+aten_nodes.declare(
+    OPERATOR,
+    BACKWARD,
+    ["GO(0)", "O(0)"],
+    gradients=1,
+    differentiable=(0,),
+    mask_input=None,
+    fix_name="relus_run_by_torch",
+    shape=aten_shapes.same_shape,
 )
 
 
@@ -109,16 +105,11 @@ def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_pla
 
 
 NAME = "relu"
-OP = graph_plan.declare(
-    graph_plan.GraphOp(
-        NAME,
-        replaces="Relu (ORT's gradient, ReluGrad, runs on one thread on the CPU)",
-        module=__name__,
-        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
-        choose=lambda settings, precision, engine: (
-            graph_plan.Path.ort if settings.aten_relu is False else graph_plan.Path.torch
-        ),
-        setting="aten_relu",
-        rewrite=_rewrite,
-    )
+OP = graph_plan.torch_or_ort(
+    NAME,
+    replaces="Relu (ORT's gradient, ReluGrad, runs on one thread on the CPU)",
+    module=__name__,
+    setting="aten_relu",
+    by_torch=lambda settings, precision: settings.aten_relu is not False,
+    rewrite=_rewrite,
 )

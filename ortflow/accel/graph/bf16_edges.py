@@ -67,12 +67,6 @@ def _backward(grad_output, out16, mask, scale, a16, b16, bias, transpose_b: bool
 _LIBRARY.impl("gemm_bf16_relu", _forward, "CPU")
 _LIBRARY.impl("gemm_bf16_relu_backward", _backward, "CPU")
 
-# GO(0) (bf16), the forward's bf16 output, mask and scale, its bf16 copies of a and b, bias, transpose flag and
-# gradient mask
-gradient = aten_nodes.one_node_gradient(
-    BACKWARD, ["GO(0)", "O(0)", "I(5)", "I(6)", "O(1)", "O(2)", "I(2)", "I(3)", "I(4)"]
-)
-
 
 def shape(inference: Any, node: Any) -> None:
     """The product's shape in bf16; outputs 1 and 2 the bf16 copies of a and b."""
@@ -82,18 +76,18 @@ def shape(inference: Any, node: Any) -> None:
     aten_shapes._set(inference, node, 2, TensorProto.BFLOAT16, b)
 
 
-aten_nodes.register(
-    aten_nodes.AtenOp(
-        OPERATOR,
-        BACKWARD,
-        differentiable=(0, 1, 2),
-        mask_input=4,
-        gradient=gradient,
-        fix_name="matmuls_run_by_torch_bf16",
-        frozen_input=1,
-        bf16_input=0,
-        shape=shape,
-    )
+# The gradient node reads GO(0) (bf16), the forward's bf16 output, mask and scale, its bf16 copies of a and b, bias,
+# transpose flag and gradient mask.
+aten_nodes.declare(
+    OPERATOR,
+    BACKWARD,
+    ["GO(0)", "O(0)", "I(5)", "I(6)", "O(1)", "O(2)", "I(2)", "I(3)", "I(4)"],
+    differentiable=(0, 1, 2),
+    mask_input=4,
+    fix_name="matmuls_run_by_torch_bf16",
+    frozen_input=1,
+    bf16_input=0,
+    shape=shape,
 )
 
 
@@ -167,39 +161,11 @@ def gemm_relu_chains(model: onnx.ModelProto, masks: list | None = None) -> int:
     for first in graph.node:
         if not _is_gemm(first) or id(first) in removed:
             continue
-        relu = _relu(first.output[0], readers)
-        if relu is None:
+        chain = _chain(first, readers, constants, types, fed)
+        if chain is None:
             continue
-        out, nodes = relu
-        mask, after = "", _only(readers, out)
-        if after is not None and after.op_type == "Dropout" and _zero(constants, after.input[1:2]):
-            out, nodes = after.output[0], [*nodes, after]  # dropout at 0: the identity
-            after = _only(readers, out)
-        if after is not None and after.op_type == "Mul" and out in after.input:
-            other = after.input[1] if after.input[0] == out else after.input[0]
-            if fed is None or other not in fed or types.get(other) != TensorProto.FLOAT:
-                continue  # only a mask the engine feeds as a graph input and can feed as keep flags
-            mask, out, nodes = other, after.output[0], [*nodes, after]
-            after = _only(readers, out)
-        if not _is_gemm(after) or after.input[0] != out or after.input[1] == out:
-            continue
-        base = first.name or first.output[0]
-        scale = f"{base}/no_scale"
-        before[id(first)] = [_empty(scale)]
-        if not mask:
-            mask = f"{base}/no_mask"
-            before[id(first)].append(_empty(mask))
-        else:
-            scale = _keep_and_scale(graph, masks, fed[mask])
-        first.input.extend([mask, scale])
-        for attribute in first.attribute:
-            if attribute.name == "operator":
-                attribute.s = OPERATOR.encode()
-        edge = f"{base}/bf16"
-        first.output[0] = edge
-        after.input[0] = edge
-        graph.value_info.append(helper.make_empty_tensor_value_info(edge))
-        graph.value_info[-1].type.tensor_type.elem_type = TensorProto.BFLOAT16
+        mask, nodes, after = chain
+        before[id(first)] = _fuse(graph, first, after, mask, masks, fed)
         removed.update(id(node) for node in nodes)
         changed += 1
     if changed:
@@ -211,6 +177,64 @@ def gemm_relu_chains(model: onnx.ModelProto, masks: list | None = None) -> int:
         del graph.node[:]
         graph.node.extend(kept)
     return changed
+
+
+def _chain(
+    first: onnx.NodeProto,
+    readers: dict[str, list[onnx.NodeProto]],
+    constants: dict[str, Any],
+    types: dict[str, int],
+    fed: dict[str, int] | None,
+) -> tuple[str, list[onnx.NodeProto], onnx.NodeProto] | None:
+    """The chain from the GEMM `first` to the next GEMM: the mask it multiplies by ("" if none), the nodes between
+    (ReLU, a dropout at 0, the mask's Mul) and the second GEMM; None where `first` starts no chain to fuse."""
+    relu = _relu(first.output[0], readers)
+    if relu is None:
+        return None
+    out, nodes = relu
+    mask, after = "", _only(readers, out)
+    if after is not None and after.op_type == "Dropout" and _zero(constants, after.input[1:2]):
+        out, nodes = after.output[0], [*nodes, after]  # dropout at 0: the identity
+        after = _only(readers, out)
+    if after is not None and after.op_type == "Mul" and out in after.input:
+        other = after.input[1] if after.input[0] == out else after.input[0]
+        if fed is None or other not in fed or types.get(other) != TensorProto.FLOAT:
+            return None  # only a mask the engine feeds as a graph input and can feed as keep flags
+        mask, out, nodes = other, after.output[0], [*nodes, after]
+        after = _only(readers, out)
+    if not _is_gemm(after) or after.input[0] != out or after.input[1] == out:
+        return None
+    return mask, nodes, after
+
+
+def _fuse(
+    graph: onnx.GraphProto,
+    first: onnx.NodeProto,
+    after: onnx.NodeProto,
+    mask: str,
+    masks: list | None,
+    fed: dict[str, int] | None,
+) -> list[onnx.NodeProto]:
+    """Make `first` the fused node (ReLU and `mask` inside, its bf16 output read by the GEMM `after`); returns the
+    Constants to place before it (an empty mask and scale where there are none)."""
+    base = first.name or first.output[0]
+    scale = f"{base}/no_scale"
+    constants = [_empty(scale)]
+    if not mask:
+        mask = f"{base}/no_mask"
+        constants.append(_empty(mask))
+    else:
+        scale = _keep_and_scale(graph, masks, fed[mask])
+    first.input.extend([mask, scale])
+    for attribute in first.attribute:
+        if attribute.name == "operator":
+            attribute.s = OPERATOR.encode()
+    edge = f"{base}/bf16"
+    first.output[0] = edge
+    after.input[0] = edge
+    graph.value_info.append(helper.make_empty_tensor_value_info(edge))
+    graph.value_info[-1].type.tensor_type.elem_type = TensorProto.BFLOAT16
+    return constants
 
 
 def _empty(name: str) -> onnx.NodeProto:
@@ -237,18 +261,11 @@ def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_pla
 
 
 NAME = "bf16_edges"
-OP = graph_plan.declare(
-    graph_plan.GraphOp(
-        NAME,
-        replaces="fp32 edges between bf16 GEMMs (GEMM -> ReLU -> dropout -> GEMM) by bf16 ones, ReLU and mask in torch",
-        module=__name__,
-        paths=(graph_plan.Path.torch, graph_plan.Path.ort),
-        choose=lambda settings, precision, engine: (
-            graph_plan.Path.torch
-            if graph_plan.switch(settings, "bf16_edges", precision) and precision == BF16
-            else graph_plan.Path.ort
-        ),
-        setting="bf16_edges",
-        rewrite=_rewrite,
-    )
+OP = graph_plan.torch_or_ort(
+    NAME,
+    replaces="fp32 edges between bf16 GEMMs (GEMM -> ReLU -> dropout -> GEMM) by bf16 ones, ReLU and mask in torch",
+    module=__name__,
+    setting="bf16_edges",
+    by_torch=lambda settings, precision: graph_plan.switch(settings, "bf16_edges", precision) and precision == BF16,
+    rewrite=_rewrite,
 )

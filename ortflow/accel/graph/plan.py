@@ -188,6 +188,36 @@ def declare(op: GraphOp) -> GraphOp:
     return op
 
 
+def torch_or_ort(
+    name: str,
+    *,
+    replaces: str,
+    module: str,
+    setting: str | None = None,
+    by_torch: Callable[[Any, str], bool] | None = None,
+    symbolics: Mapping[str, SymbolicFactory] | None = None,
+    rewrite: Callable[[Any, "GraphPlan", "GraphWork"], None] | None = None,
+) -> GraphOp:
+    """Declare an op that runs either in torch's kernels (Path.torch: ortflow's ATen nodes) or as ORT's own
+    (Path.ort), the fast target taking torch's where `by_torch(settings, precision)`; by default where the boolean
+    setting `setting` says so (`switch`: null is on in bf16-mixed). The way the ATen-node ops declare themselves."""
+    if by_torch is None:
+        if setting is None:
+            raise ValueError(f"graph op {name}: torch_or_ort needs a setting or by_torch")
+        key = setting
+
+        def by_torch(settings: Any, precision: str) -> bool:
+            return switch(settings, key, precision)
+
+    chosen = by_torch
+
+    def choose(settings: Any, precision: str, engine: str) -> Path:
+        return Path.torch if chosen(settings, precision) else Path.ort
+
+    named = MappingProxyType({}) if symbolics is None else symbolics
+    return declare(GraphOp(name, replaces, module, (Path.torch, Path.ort), choose, setting, named, rewrite))
+
+
 class NoPortablePath(Exception):
     """The portable target met an op of the model that has no ORT-native path. Raised where the graph work meets it
     (an export symbolic, a graph rewrite); the engine names the model's module from `scope` (the exporter's module

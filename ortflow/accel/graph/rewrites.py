@@ -142,41 +142,48 @@ def decompose_instance_norms(model: onnx.ModelProto) -> int:
         if type_ is None or not type_.tensor_type.HasField("shape") or len(type_.tensor_type.shape.dim) < 3:
             nodes.append(node)  # not an InstanceNormalization, or its input's rank is unknown
             continue
-        rank = len(type_.tensor_type.shape.dim)
-        base = node.name or node.output[0]
-        x, scale, bias = node.input[0], node.input[1], node.input[2]
-        epsilon = attribute(node, "epsilon", 1e-5)
-        axes = list(range(2, rank))
-        eps = _const(nodes, f"{base}/epsilon", np.array(epsilon, dtype=np.float32))
-        nodes.append(_reduce_mean(nodes, f"{base}/mean", x, axes, opset))
-        nodes += [
-            helper.make_node("Sub", [x, f"{base}/mean"], [f"{base}/centred"], name=f"{base}/Sub"),
-            helper.make_node("Mul", [f"{base}/centred"] * 2, [f"{base}/squared"], name=f"{base}/Square"),
-        ]
-        nodes.append(_reduce_mean(nodes, f"{base}/variance", f"{base}/squared", axes, opset))
-        nodes += [
-            helper.make_node("Add", [f"{base}/variance", eps], [f"{base}/variance_eps"], name=f"{base}/Add"),
-            helper.make_node("Sqrt", [f"{base}/variance_eps"], [f"{base}/std"], name=f"{base}/Sqrt"),
-            helper.make_node("Div", [f"{base}/centred", f"{base}/std"], [f"{base}/normalised"], name=f"{base}/Div"),
-        ]
-        # Per-channel affine, (C,) reshaped to (C, 1, ..., 1), unless it is the identity.
-        shape = _const(nodes, f"{base}/channel_shape", np.array([-1] + [1] * (rank - 2), dtype=np.int64))
-        result = f"{base}/normalised"
-        for op, role, value, identity in (("Mul", "scale", scale, 1.0), ("Add", "shift", bias, 0.0)):
-            known = constants.get(value)
-            if known is not None and np.all(known == identity):
-                continue
-            param, out = f"{base}/{role}_per_channel", f"{base}/{role}d"
-            nodes.append(helper.make_node("Reshape", [value, shape], [param], name=f"{base}/{role}_reshape"))
-            nodes.append(helper.make_node(op, [result, param], [out], name=f"{base}/{role}"))
-            result = out
-        last = next(n for n in reversed(nodes) if result in n.output)
-        last.output[0] = node.output[0]  # the last op writes the InstanceNormalization's output
+        _instance_norm_arithmetic(nodes, node, len(type_.tensor_type.shape.dim), constants, opset)
         changed += 1
     del graph.node[:]
     graph.node.extend(nodes)
     _remove_unused_constants(graph)
     return changed
+
+
+def _instance_norm_arithmetic(
+    nodes: list[onnx.NodeProto], node: onnx.NodeProto, rank: int, constants: dict[str, np.ndarray], opset: int
+) -> None:
+    """Append to `nodes` the arithmetic standing for the InstanceNormalization `node` (input of rank `rank`), its last
+    op writing the node's output."""
+    base = node.name or node.output[0]
+    x, scale, bias = node.input[0], node.input[1], node.input[2]
+    epsilon = attribute(node, "epsilon", 1e-5)
+    axes = list(range(2, rank))
+    eps = _const(nodes, f"{base}/epsilon", np.array(epsilon, dtype=np.float32))
+    nodes.append(_reduce_mean(nodes, f"{base}/mean", x, axes, opset))
+    nodes += [
+        helper.make_node("Sub", [x, f"{base}/mean"], [f"{base}/centred"], name=f"{base}/Sub"),
+        helper.make_node("Mul", [f"{base}/centred"] * 2, [f"{base}/squared"], name=f"{base}/Square"),
+    ]
+    nodes.append(_reduce_mean(nodes, f"{base}/variance", f"{base}/squared", axes, opset))
+    nodes += [
+        helper.make_node("Add", [f"{base}/variance", eps], [f"{base}/variance_eps"], name=f"{base}/Add"),
+        helper.make_node("Sqrt", [f"{base}/variance_eps"], [f"{base}/std"], name=f"{base}/Sqrt"),
+        helper.make_node("Div", [f"{base}/centred", f"{base}/std"], [f"{base}/normalised"], name=f"{base}/Div"),
+    ]
+    # Per-channel affine, (C,) reshaped to (C, 1, ..., 1), unless it is the identity.
+    shape = _const(nodes, f"{base}/channel_shape", np.array([-1] + [1] * (rank - 2), dtype=np.int64))
+    result = f"{base}/normalised"
+    for op, role, value, identity in (("Mul", "scale", scale, 1.0), ("Add", "shift", bias, 0.0)):
+        known = constants.get(value)
+        if known is not None and np.all(known == identity):
+            continue
+        param, out = f"{base}/{role}_per_channel", f"{base}/{role}d"
+        nodes.append(helper.make_node("Reshape", [value, shape], [param], name=f"{base}/{role}_reshape"))
+        nodes.append(helper.make_node(op, [result, param], [out], name=f"{base}/{role}"))
+        result = out
+    last = next(n for n in reversed(nodes) if result in n.output)
+    last.output[0] = node.output[0]  # the last op writes the InstanceNormalization's output
 
 
 def _reduce_mean(nodes: list[onnx.NodeProto], name: str, value: str, axes: list[int], opset: int) -> onnx.NodeProto:
