@@ -56,6 +56,22 @@ def unknown_keys(node: DictConfig, path: str = "") -> list[str]:
 
 def problems(cfg: DictConfig) -> list[str]:
     """Every cross-field problem in `cfg`, as messages naming the key to change."""
+    found = _unreadable(cfg)
+    if found:
+        return found  # the rules below read these keys
+    found = ranges.problems(cfg)  # every single-key range the schema declares, all at once
+    found += accel.problems(cfg)
+    found += _metric_problems(cfg)
+    found += distributed.problems(cfg.distributed)
+    found += _trainer_problems(cfg.trainer)
+    found += _model_data_problems(cfg)
+    found += _export_problems(cfg)
+    return found
+
+
+def _unreadable(cfg: DictConfig) -> list[str]:
+    """What keeps the rules from reading the config: a value that does not resolve (reported alone), else the keys
+    no schema declares and the required ones left ???."""
     try:
         OmegaConf.to_container(cfg, resolve=True)
     except MissingMandatoryValue:
@@ -67,23 +83,29 @@ def problems(cfg: DictConfig) -> list[str]:
     found += [
         f"{key} is required (it is ???); set it, e.g. {key}=<value>." for key in sorted(OmegaConf.missing_keys(cfg))
     ]
-    if found:
-        return found  # the rules below read these keys
-    found = ranges.problems(cfg)  # every single-key range the schema declares, all at once
-    trainer, data = cfg.trainer, cfg.data
-    found += accel.problems(cfg)
+    return found
+
+
+def _metric_problems(cfg: DictConfig) -> list[str]:
+    """The objective and the early-stopping metric, each checked against the metrics this run reports."""
+    found = []
     if cfg.objective not in (reported := objectives(cfg)):
         found.append(
             f"objective={cfg.objective!r} is not a metric this run reports (with loss {cfg.loss._target_}); choose "
             f"one of {reported}."
         )
-    stop_metric = trainer.early_stopping.metric
+    stop_metric = cfg.trainer.early_stopping.metric
     if stop_metric is not None and stop_metric not in (evals := [m for m in reported if m.startswith("eval/")]):
         found.append(
             f"trainer.early_stopping.metric={stop_metric!r} is not an eval metric this run reports; choose one of "
             f"{evals} (or null to turn early stopping off)."
         )
-    found += distributed.problems(cfg.distributed)
+    return found
+
+
+def _trainer_problems(trainer: DictConfig) -> list[str]:
+    """The trainer's precision and its resume setting."""
+    found = []
     if trainer.precision not in PRECISIONS:
         found.append(
             f"trainer.precision={trainer.precision!r} is not a precision ortflow trains in; choose one of "
@@ -91,6 +113,13 @@ def problems(cfg: DictConfig) -> list[str]:
         )
     if trainer.resume is not None and not trainer.resume.strip():
         found.append("trainer.resume is empty; use trainer.resume=auto, a checkpoint path, or leave it out.")
+    return found
+
+
+def _model_data_problems(cfg: DictConfig) -> list[str]:
+    """The model against the data it trains on (its kind of inputs, its vocabulary) and the model's own shape."""
+    found = []
+    data = cfg.data
     is_text = _is_text(data)
     model_target = cfg.model.get("_target_", "")
     if is_text and model_target == "ortflow.model.mlp.build_mlp":
@@ -106,6 +135,12 @@ def problems(cfg: DictConfig) -> list[str]:
             f"model.vocab_size={vocab}: byte-level text data (data.tokenizer=bytes) needs vocab_size >= 256; leave "
             "it null to follow the data."
         )
+    return found
+
+
+def _export_problems(cfg: DictConfig) -> list[str]:
+    """The export settings that need another one set, or an optimizer the export can run."""
+    found = []
     if cfg.export.hf_adapter_only and not cfg.export.hf:
         found.append("export.hf_adapter_only=true shapes the export.hf folder; set export.hf=true too (or drop it).")
     if cfg.export.device_web and not cfg.export.device:

@@ -27,11 +27,14 @@ finished and `--resume FILE` runs only the rest. Other libraries' notices go to 
 """
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ortflow.bench.plan import DEFAULT_MODES, MODES
 from ortflow.config import BF16, FP32
+
+_AddArgument = Callable[..., None]  # argparse's add_argument, with the default left out where defaults are off
 
 
 def _parser(defaults: bool = True) -> argparse.ArgumentParser:
@@ -47,6 +50,18 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
     def arg(*names: str, default: Any = None, **kw: Any) -> None:
         p.add_argument(*names, **kw, **({"default": default} if defaults else {}))
 
+    # In the order --help lists them.
+    _add_subject(arg)
+    _add_timing(arg)
+    _add_variants(arg)
+    _add_profiling(arg)
+    _add_files(arg)
+    arg("overrides", nargs="*", default=[], help="Hydra overrides applied to every run, e.g. model.num_layers=4")
+    return p
+
+
+def _add_subject(arg: _AddArgument) -> None:
+    """What is measured: the recipe and the accel modes it runs in."""
     arg("--recipe", default="transformer", help="recipe to benchmark (default: transformer)")
     arg(
         "--modes",
@@ -54,6 +69,10 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
         help=f"comma-separated, from {','.join(MODES)} (default {','.join(DEFAULT_MODES)}); MODE:k=v;k2=v2 gives "
         "a mode its own overrides",
     )
+
+
+def _add_timing(arg: _AddArgument) -> None:
+    """How one measurement is timed: its budget of seconds, or its number of steps, and the warm-up before it."""
     arg(
         "--budget",
         type=float,
@@ -77,6 +96,10 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
         help="timed steps per pass, instead of choosing them from --budget",
     )
     arg("--warmup", type=int, default=2, metavar="N", help="untimed steps after the first one (default 2)")
+
+
+def _add_variants(arg: _AddArgument) -> None:
+    """Which measurements the bench repeats: each precision, each repeat and each value of a sweep."""
     arg(
         "--precision",
         default=None,
@@ -92,6 +115,10 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
         default=[],
         help="repeat everything for each value (scaling); may be given more than once; writes a PNG",
     )
+
+
+def _add_profiling(arg: _AddArgument) -> None:
+    """Profiling instead of timing: whether to profile, and how many operators to show."""
     arg(
         "--profile",
         action="store_true",
@@ -99,6 +126,10 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
         help="instead of timing: each mode's top operators per step, ORT's profiler beside torch.profiler",
     )
     arg("--top", type=int, default=10, metavar="N", help="operators shown per mode with --profile (JSON keeps all)")
+
+
+def _add_files(arg: _AddArgument) -> None:
+    """Where the results go: the JSON file to write, or the one whose bench to continue."""
     arg(
         "--out",
         type=Path,
@@ -113,8 +144,6 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
         metavar="FILE",
         help="continue the bench in this JSON file, with its arguments",
     )
-    arg("overrides", nargs="*", default=[], help="Hydra overrides applied to every run, e.g. model.num_layers=4")
-    return p
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -89,11 +89,7 @@ def _main(cfg: DictConfig) -> float:
     if sweeping and (record := completed_before(run_dir, overrides)):
         log.info("job %s already completed in this sweep dir (%s); skipped", hydra_cfg.job.num, run_dir)
         return record["metrics"][cfg.objective]
-    continued = []  # a job its scheduler runs again (Ray retry, SLURM requeue) continues its checkpoint
-    if sweeping and cfg.trainer.resume is None and (why := placement.rerun()):
-        log.info("%s: continuing from its latest checkpoint (trainer.resume=auto)", why)
-        cfg.trainer.resume = "auto"
-        continued = ["trainer.resume=auto"]
+    continued = _continue_rerun(cfg, sweeping)
     if launch.needs_launch(cfg):
         launch.start_rank_server(cfg, rank_main)  # its imports overlap the checks and the rendezvous
         try:
@@ -116,17 +112,7 @@ def _main(cfg: DictConfig) -> float:
         summary()
         if lock is not None:
             lock.release()
-        hand_over_preemption()  # submitit's requeue (SLURM jobs it runs) exits here
-        # A clean stop (exit status 0) that a scheduler can requeue; a sweep stops here too, resumable as a whole.
-        if not distributed.world_from_env().rank:
-            print(
-                f"ortflow: {err}. Continue with the same command plus trainer.resume=auto"
-                + ("" if sweeping else f" hydra.run.dir={run_dir}")
-                + ".",
-                file=sys.stderr,
-                flush=True,
-            )
-        sys.exit(0)
+        _stop_preempted(err, run_dir, sweeping)
     except Interrupted as err:
         summary()
         print(f"ortflow: {err}; run.json in {run_dir} records it.", file=sys.stderr, flush=True)
@@ -147,6 +133,32 @@ def _main(cfg: DictConfig) -> float:
             lock.release()
     summary()
     return metrics[cfg.objective]
+
+
+def _continue_rerun(cfg: DictConfig, sweeping: bool) -> list[str]:
+    """A sweep job that its scheduler runs again (Ray retry, SLURM requeue) continues its checkpoint: trainer.resume
+    is set to auto in `cfg`, and the override that says so is returned (none for any other job)."""
+    if sweeping and cfg.trainer.resume is None and (why := placement.rerun()):
+        log.info("%s: continuing from its latest checkpoint (trainer.resume=auto)", why)
+        cfg.trainer.resume = "auto"
+        return ["trainer.resume=auto"]
+    return []
+
+
+def _stop_preempted(err: Preempted, run_dir: Path, sweeping: bool) -> NoReturn:
+    """A run stopped by preemption with its checkpoint written: a scheduler that requeues it gets it, else rank 0
+    says how to continue, and the process exits with status 0."""
+    hand_over_preemption()  # submitit's requeue (SLURM jobs it runs) exits here
+    # A clean stop (exit status 0) that a scheduler can requeue; a sweep stops here too, resumable as a whole.
+    if not distributed.world_from_env().rank:
+        print(
+            f"ortflow: {err}. Continue with the same command plus trainer.resume=auto"
+            + ("" if sweeping else f" hydra.run.dir={run_dir}")
+            + ".",
+            file=sys.stderr,
+            flush=True,
+        )
+    sys.exit(0)
 
 
 def _rank() -> str:

@@ -269,7 +269,12 @@ class RunDir:
         self._write_record()
         if self.source is None:
             return engine, None
-        path, payload = self.source
+        return engine, self._restore(engine, batches, self.source)
+
+    def _restore(self, engine: Engine, batches: ResumableBatches, source: tuple[Path, dict[str, Any]]) -> LoopState:
+        """Continue from the checkpoint `source` (its path and payload): its optimizer state into `engine`, its data
+        position into `batches`, its RNG states, and what was resumed noted in the record; returns its loop state."""
+        path, payload = source
         restored = engine.load_optimizer_state(payload["optimizer"])
         if not restored:
             log.warning(
@@ -294,7 +299,7 @@ class RunDir:
             "config_changes": changes,
         }
         log.info("resumed from %s at step %d (written by accel=%s)", path, state.step, payload["accel"])
-        return engine, state
+        return state
 
     def resumed_choice(self) -> dict[str, Any] | None:
         """The engine choice (accel=auto's) recorded in the checkpoint this run resumes from, if any."""

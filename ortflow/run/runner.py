@@ -299,9 +299,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = list(overrides or [])
-    terminal.set_verbose(bool(OmegaConf.select(cfg, "logger.verbose")) or _debug_verbose(cfg))
-    logging.captureWarnings(True)  # other libraries' warnings (torch's deprecations, tracer warnings): ortflow.log
-    terminal.quiet_import("torch.utils.cpp_extension")  # its import prints a CUDA_HOME notice on CPU machines
+    _set_up_logging(cfg)
     world = distributed.world_from_env()  # every rank trains; only rank 0 writes files
     cfg = fast_dev_run(cfg)
     run = RunDir(run_dir, _config_dict(cfg), overrides, cfg.seed, world)
@@ -338,17 +336,30 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
             distributed.stop()
     run.finish("pruned" if results["ended_by"] == "pruned" else "completed", metrics=metrics, **results)
     execution = results["engine"]
+    _log_done(metrics, execution["executed_by"], run_dir)
+    outcome = {**metrics, "executed_by": execution["executed_by"], "precision": results["precision"]}
+    return TrainOutcome({**outcome, "run_dir": str(run_dir)}, model, data)
+
+
+def _set_up_logging(cfg: DictConfig) -> None:
+    """The terminal's verbosity (logger.verbose, or debug=verbose), other libraries' warnings into the log, and a
+    library's notice on import kept off the terminal."""
+    terminal.set_verbose(bool(OmegaConf.select(cfg, "logger.verbose")) or _debug_verbose(cfg))
+    logging.captureWarnings(True)  # other libraries' warnings (torch's deprecations, tracer warnings): ortflow.log
+    terminal.quiet_import("torch.utils.cpp_extension")  # its import prints a CUDA_HOME notice on CPU machines
+
+
+def _log_done(metrics: dict[str, Any], executed_by: str, run_dir: Path) -> None:
+    """The closing line of a completed run: its train loss, eval metrics and speed, what executed it, its run dir."""
     evals = ", ".join(f"{k.replace('/', ' ')} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))
     log.info(
         "done: train loss %.4f, %s, %.1f samples/s, executed by %s. Run dir: %s",
         metrics["train/loss"],
         evals,
         metrics["perf/samples_per_sec"],
-        execution["executed_by"],
+        executed_by,
         run_dir,
     )
-    outcome = {**metrics, "executed_by": execution["executed_by"], "precision": results["precision"]}
-    return TrainOutcome({**outcome, "run_dir": str(run_dir)}, model, data)
 
 
 def _train(

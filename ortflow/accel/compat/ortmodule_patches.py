@@ -108,18 +108,47 @@ def patch_ortmodule(hooks: ExportHooks) -> None:
     from onnxruntime.training.ortmodule._graph_execution_manager import GraphExecutionManager
     from onnxruntime.training.ortmodule._graph_transition_manager import GraphTransitionManager
 
-    register_all = CustomOpSymbolicRegistry.register_all.__func__
+    _record_symbolic_opsets(CustomOpSymbolicRegistry)
+    _count(_execution_agent.TrainingAgent, "run_forward", "forward")
+    _count(_execution_agent.TrainingAgent, "run_backward", "backward")
+    _count(_execution_agent.InferenceAgent, "run_forward", "inference")
+    _sessions_with_engine_settings(GraphExecutionManager)
+    _fix_exported_graphs(GraphTransitionManager, hooks)
+    _gradients_for_trainable_parameters_only()
+    _capture_only_real_streams()
+    _patched = True
+
+
+def _record_symbolic_opsets(registry: type) -> None:
+    """ORTModule's symbolic registry (CustomOpSymbolicRegistry) notes each opset it registers its symbolics at, in
+    `_ORT_SYMBOLIC_OPSETS`."""
+    register_all = registry.register_all.__func__
 
     def register_all_recorded(cls, onnx_opset_version):
         _ORT_SYMBOLIC_OPSETS.add(onnx_opset_version)
         return register_all(cls, onnx_opset_version)
 
-    CustomOpSymbolicRegistry.register_all = classmethod(register_all_recorded)
-    _count(_execution_agent.TrainingAgent, "run_forward", "forward")
-    _count(_execution_agent.TrainingAgent, "run_backward", "backward")
-    _count(_execution_agent.InferenceAgent, "run_forward", "inference")
+    registry.register_all = classmethod(register_all_recorded)
 
-    get_exported = GraphTransitionManager._get_exported_model
+
+def _sessions_with_engine_settings(manager: type) -> None:
+    """Every ORT session ORTModule's GraphExecutionManager creates gets the running engine's thread count and
+    spinning (ORT's defaults outside an engine)."""
+    session_config = manager._get_session_config
+
+    def session_config_with_threads(self):
+        options, providers, provider_options = session_config(self)
+        settings = scope.settings if (scope := _ACTIVE.get()) is not None else SessionSettings()
+        apply_session_settings(options, settings.intra_op_threads, settings.allow_spinning)
+        return options, providers, provider_options
+
+    manager._get_session_config = session_config_with_threads
+
+
+def _fix_exported_graphs(transitions: type, hooks: ExportHooks) -> None:
+    """ORTModule's GraphTransitionManager exports inside the hooks' `exporting`, has each exported graph fixed by
+    `hooks.fix` (the fixes counted into the running engine's scope) and infers shapes with `hooks.infer_shapes`."""
+    get_exported = transitions._get_exported_model
 
     def get_exported_fixed(*args, **kwargs):
         scope = _ACTIVE.get()
@@ -138,20 +167,8 @@ def patch_ortmodule(hooks: ExportHooks) -> None:
             scope.fixes.update(fixes)
         return exported_model, output_schema
 
-    session_config = GraphExecutionManager._get_session_config
-
-    def session_config_with_threads(self):
-        options, providers, provider_options = session_config(self)
-        settings = scope.settings if (scope := _ACTIVE.get()) is not None else SessionSettings()
-        apply_session_settings(options, settings.intra_op_threads, settings.allow_spinning)
-        return options, providers, provider_options
-
-    GraphExecutionManager._get_session_config = session_config_with_threads
-    GraphTransitionManager._get_exported_model = staticmethod(get_exported_fixed)
-    GraphTransitionManager._infer_shapes = staticmethod(hooks.infer_shapes)
-    _gradients_for_trainable_parameters_only()
-    _capture_only_real_streams()
-    _patched = True
+    transitions._get_exported_model = staticmethod(get_exported_fixed)
+    transitions._infer_shapes = staticmethod(hooks.infer_shapes)
 
 
 # Which parameters required a gradient when each ORTModule (training) graph was exported: one per
