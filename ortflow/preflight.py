@@ -12,21 +12,13 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ortflow.errors import ConfigError
-from ortflow.paths import config_dir
+from ortflow.paths import config_dir, search_dirs
 
 _OVERRIDE = re.compile(r"^[+~]{0,2}(?P<group>[A-Za-z_][\w/]*)=(?P<option>[\w.-]+)$")
 
 
 def _search_dirs(args: list[str]) -> list[Path]:
-    dirs = [config_dir()]
-    for i, arg in enumerate(args):
-        if arg in ("--config-dir", "-cd") and i + 1 < len(args):
-            dirs.append(Path(args[i + 1]))
-        elif arg.startswith("--config-dir="):
-            dirs.append(Path(arg.partition("=")[2]))
-        elif arg.startswith("hydra.searchpath="):
-            dirs += [Path(m) for m in re.findall(r"file://([^,\]\s'\"]+)", arg)]
-    return dirs
+    return [config_dir(), *search_dirs(args)]
 
 
 def _check_syntax(args: list[str]) -> None:

@@ -10,7 +10,8 @@ An engine module provides:
     SIMPLICITY (optional) how much it changes of eager PyTorch's step, for ranking engines that measure equal
               (accel=auto picks the simplest); None: it trains with another engine (accel=auto itself).
     EXECUTED_BY (optional) what its describe()["executed_by"] says when it ran as it should (ORT's engines:
-              "onnxruntime"; accel=auto refuses a candidate that says otherwise).
+              "onnxruntime"; accel=auto refuses a candidate that says otherwise, ortflow-check a row; without it a
+              row is judged by its losses alone).
     RUNS_IN_STEP (optional) the kinds of hooks and state updates (ortflow/model/hooks.py: Kind) it runs as eager
               does; the others it refuses before the first step (`EngineContext.refuse_unrun`).
     WHY_UNRUN (optional) {Kind: why it cannot run that kind}, where the reason is not ONNX Runtime's (hooks.py's).

@@ -8,31 +8,53 @@ refusal) reaches it through its EngineContext, and accel=auto, which probes the 
 
 import functools
 import importlib
+from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 
 from omegaconf import OmegaConf
 
+from ortflow.errors import ConfigError
 from ortflow.paths import config_dir
 
 
+def modules(search: Sequence[Path] = ()) -> dict[str, ModuleType]:
+    """Every engine module conf/accel/*.yaml names (accel=auto's included), by its NAME, in file-name order; then
+    those of `search`'s accel/*.yaml (config directories on Hydra's search path: paths.search_dirs), where a file
+    names an engine builder by its `_target_` (a file that only selects and overrides names none)."""
+    return dict(_modules(tuple(Path(d) for d in search)))
+
+
 @functools.cache
-def modules() -> dict[str, ModuleType]:
-    """Every engine module conf/accel/*.yaml names (accel=auto's included), by its NAME, in file-name order."""
-    found = {}
-    for path in sorted((config_dir() / "accel").glob("*.yaml")):
-        target = OmegaConf.load(path).get("_target_")
-        module = importlib.import_module(str(target).rpartition(".")[0])
-        found[module.NAME] = module
+def _modules(search: tuple[Path, ...]) -> dict[str, ModuleType]:
+    found: dict[str, ModuleType] = {}
+    for folder in (config_dir(), *search):
+        for path in sorted((folder / "accel").glob("*.yaml")):
+            target = OmegaConf.load(path).get("_target_")
+            if folder != config_dir() and not target:
+                continue
+            try:
+                module = importlib.import_module(str(target).rpartition(".")[0])
+            except ImportError as err:
+                raise ConfigError(
+                    f"{path}: its _target_ {target} names a module that cannot be imported ({err}); an engine's yaml "
+                    "names its builder, e.g. _target_: my_pkg.engine.build (docs/engines.md)."
+                ) from None
+            if hasattr(module, "NAME"):
+                found.setdefault(module.NAME, module)
     return found
 
 
-def engines() -> dict[str, ModuleType]:
-    """The engines that train a model themselves (those with a SIMPLICITY: not accel=auto), simplest first."""
-    training = {name: m for name, m in modules().items() if getattr(m, "SIMPLICITY", None) is not None}
-    return dict(sorted(training.items(), key=lambda item: item[1].SIMPLICITY))
+def engines(search: Sequence[Path] = ()) -> dict[str, ModuleType]:
+    """The engines that train a model themselves (those with a SIMPLICITY: not accel=auto), simplest first; an engine
+    of the search path without a SIMPLICITY comes after ortflow's own."""
+    found, own = modules(search), modules()
+    training = {name: m for name, m in found.items() if getattr(m, "SIMPLICITY", None) is not None}
+    ordered = dict(sorted(training.items(), key=lambda item: item[1].SIMPLICITY))
+    return ordered | {name: m for name, m in found.items() if name not in ordered and name not in own}
 
 
-def runs_in_step() -> dict[str, frozenset]:
+def runs_in_step(search: Sequence[Path] = ()) -> dict[str, frozenset]:
     """What each training engine runs of a model's step as eager does (its RUNS_IN_STEP: ortflow/model/hooks.py's
     kinds of hooks and state updates), simplest engine first: what a refusal names as the engines that run it."""
-    return {name: getattr(m, "RUNS_IN_STEP", frozenset()) for name, m in engines().items()}
+    return {name: getattr(m, "RUNS_IN_STEP", frozenset()) for name, m in engines(search).items()}

@@ -25,16 +25,11 @@ from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import ConfigError, OrtflowError, root_reason
 from ortflow.model import one_ulp
 from ortflow.model.probe import training_forward_probe
-from ortflow.paths import compose_config
+from ortflow.paths import compose_config, search_dirs
 from ortflow.run.runner import build_data, build_model, engine_context
 from ortflow.run.seeding import seed_everything, seed_step
 from ortflow.step.batch import layout_of, split_batch
 from ortflow.validate import problems
-
-# Every accel mode the config tree offers that trains itself (accel.engines(): conf/accel/*.yaml), eager first: it is
-# the reference. accel=auto is left out: it trains with one of the others (its probe is its own comparison).
-MODES = tuple(accel.engines())
-
 
 # One check composes the same few configs again and again (eager, its noise runs, each mode, each verdict): while
 # check() runs, each is composed once (Hydra takes ~0.2 s a composition, a deep copy ~3 ms). Outside a check nothing
@@ -128,7 +123,7 @@ def try_mode(
     except Exception as err:  # every failure is a result here, reported in the table
         return row | {"trains": False, "reason": _one_line(err)}
     row |= {
-        "trains": info["executed_by"] == _executed_by(mode) and all(map(math.isfinite, losses)),
+        "trains": _executed_by(mode, overrides) in (None, info["executed_by"]) and all(map(math.isfinite, losses)),
         "executed_by": info["executed_by"],
         "losses": losses,
         "first_step_s": times[0],
@@ -140,9 +135,10 @@ def try_mode(
     return row
 
 
-def _executed_by(mode: str) -> str:
-    """What engine `mode` says executed its steps when it ran as it should (its module's EXECUTED_BY)."""
-    return getattr(accel.engines().get(mode), "EXECUTED_BY", "pytorch")
+def _executed_by(mode: str, overrides: list[str]) -> str | None:
+    """What engine `mode` says executed its steps when it ran as it should (its module's EXECUTED_BY; None: an
+    engine of the search path that does not say, whose row is judged by its losses alone)."""
+    return getattr(accel.engines(search_dirs(overrides)).get(mode), "EXECUTED_BY", None)
 
 
 def precisions_of(cfg: DictConfig, overrides: list[str], asked: tuple[str, ...] | None) -> tuple[str, ...]:

@@ -19,11 +19,13 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ortflow import accel
 from ortflow.check import parity
-from ortflow.check.modes import MODES, check
+from ortflow.check.modes import check
 from ortflow.check.table import table
 from ortflow.config import BF16, FP32
 from ortflow.errors import OrtflowError
+from ortflow.paths import search_dirs
 from ortflow.report import terminal
 
 
@@ -31,7 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ortflow-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="the same overrides as a training run (accel= is ignored)")
     parser.add_argument("--steps", type=int, default=5, help="training steps per mode (default 5)")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated accel modes (default: all)")
+    parser.add_argument(
+        "--modes", help="comma-separated accel modes (default: all, the search path's engines among them)"
+    )
     parser.add_argument(
         "--precision",
         help=f"comma-separated trainer.precision values to try every mode in ({FP32}, {BF16}; default: the config's)",
@@ -51,13 +55,18 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--precision: unknown precision(s) {wrong}; choose from {FP32},{BF16}")
     out = args.out or Path("outputs") / "check" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}.json"
     overrides = [o for o in args.overrides if not o.startswith("accel=")]
+    try:
+        modes = args.modes.split(",") if args.modes else list(accel.engines(search_dirs(overrides)))
+    except OrtflowError as err:
+        print(f"ortflow-check: error: {err}", file=sys.stderr)
+        sys.exit(2)
     # Other libraries' notices (torch's tracer and deprecation warnings, transformers, ONNX Runtime's native log
     # lines, the CUDA_HOME notice) go to a log file beside the JSON, as a training run's go to its ortflow.log.
     with terminal.job_logging(out.with_suffix(".log")):
         terminal.quiet_import("torch.utils.cpp_extension")
         try:
             with terminal.native_stderr("ortflow-check"):
-                report = check(overrides, max(args.steps, 2), args.modes.split(","), precisions)
+                report = check(overrides, max(args.steps, 2), modes, precisions)
         except OrtflowError as err:
             print(f"ortflow-check: error: {err}", file=sys.stderr)
             sys.exit(2)

@@ -39,6 +39,23 @@ def test_a_fourth_engine_runs_from_the_command_line(tmp_path):
     assert OmegaConf.load(tmp_path / "run" / "run.json").engine.executed_by == "tiny"
 
 
+def test_check_and_bench_list_the_engines_of_the_search_path(tmp_path):
+    """accel/catalog.py reads the config directories the overrides put on the search path: ortflow-check's default
+    modes include a user's engine, its row judged by its own run; an engine yaml there that names no importable module
+    is refused naming the file."""
+    from ortflow.check.modes import fresh_model, try_mode
+    from ortflow.errors import ConfigError
+    from ortflow.paths import search_dirs
+
+    assert "tiny" in accel.engines(search_dirs([PLUGIN])) and "tiny" not in accel.engines()
+    row = try_mode("tiny", [PLUGIN, "optim=sgd", "optim.weight_decay=0", *TINY], 2, fresh_model, grads=False)
+    assert row["trains"] and row["executed_by"] == "tiny", row
+    (tmp_path / "accel").mkdir()
+    (tmp_path / "accel" / "broken.yaml").write_text("_target_: no_such_package.engine.build\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml"):
+        accel.engines([tmp_path])
+
+
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [
