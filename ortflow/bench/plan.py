@@ -7,10 +7,17 @@ from typing import Any
 
 from ortflow import accel
 from ortflow.config import FP32
+from ortflow.paths import search_dirs
 
 # Every accel mode that trains itself (conf/accel/), eager first; accel=compile among them (its compilation lands in
 # the first step, outside the timed steps, and inductor's cache makes the repeats compile in seconds).
 DEFAULT_MODES = MODES = tuple(accel.engines())
+
+
+def known_modes(overrides: list[str]) -> tuple[str, ...]:
+    """The modes a bench with these overrides can measure: ortflow's engines and those of the config directories
+    the overrides put on Hydra's search path (`--modes none,mine`)."""
+    return tuple(accel.engines(search_dirs(overrides)))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 
 from ortflow.api import register_configs
 from ortflow.bench.measure import measure, profile
-from ortflow.bench.plan import MODES
+from ortflow.bench.plan import known_modes
 from ortflow.bench.processes import PARENT_ENV
 from ortflow.run.launch import end_with_parent
 
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     # libraries' warnings go there, each with its origin.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     logging.captureWarnings(True)
-    if args.mode.partition(":")[0] not in MODES:
-        raise SystemExit(f"mode must be one of {MODES}, optionally followed by :overrides")
+    if args.mode.partition(":")[0] not in (known := known_modes(args.overrides)):
+        raise SystemExit(f"mode must be one of {known}, optionally followed by :overrides")
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stopped: scratch removed
     register_configs()
     torch.manual_seed(0)

@@ -31,8 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ortflow.bench.plan import DEFAULT_MODES, MODES
+from ortflow.bench.plan import DEFAULT_MODES, MODES, known_modes
 from ortflow.config import BF16, FP32
+from ortflow.errors import OrtflowError
 
 _AddArgument = Callable[..., None]  # argparse's add_argument, with the default left out where defaults are off
 
@@ -163,9 +164,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"{override}: overrides are KEY=VALUE (e.g. model.num_layers=4); --sweep takes KEY=V1,V2,...")
     if args.precision and (wrong := [p for p in args.precision.split(",") if p not in (FP32, BF16)]):
         p.error(f"--precision: unknown precision(s) {wrong}; choose from {FP32},{BF16}")
-    unknown = sorted({m for m in args.modes.split(",") if m.partition(":")[0] not in MODES})
+    try:  # ortflow's engines and those of the search path the overrides add
+        known = known_modes(args.overrides)
+    except OrtflowError as err:
+        p.error(str(err))
+    unknown = sorted({m for m in args.modes.split(",") if m.partition(":")[0] not in known})
     if unknown:
-        p.error(f"--modes: unknown mode(s) {unknown}; choose from {','.join(MODES)}")
+        p.error(f"--modes: unknown mode(s) {unknown}; choose from {','.join(known)}")
     return args
 
 

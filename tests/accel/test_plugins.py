@@ -50,6 +50,11 @@ def test_check_and_bench_list_the_engines_of_the_search_path(tmp_path):
     assert "tiny" in accel.engines(search_dirs([PLUGIN])) and "tiny" not in accel.engines()
     row = try_mode("tiny", [PLUGIN, "optim=sgd", "optim.weight_decay=0", *TINY], 2, fresh_model, grads=False)
     assert row["trains"] and row["executed_by"] == "tiny", row
+    from ortflow.cli.bench import parse_args
+
+    assert parse_args(["--modes", "none,tiny", PLUGIN]).modes == "none,tiny"
+    with pytest.raises(SystemExit):  # without the search path, tiny is no mode
+        parse_args(["--modes", "none,tiny"])
     (tmp_path / "accel").mkdir()
     (tmp_path / "accel" / "broken.yaml").write_text("_target_: no_such_package.engine.build\n")
     with pytest.raises(ConfigError, match=r"broken\.yaml"):
