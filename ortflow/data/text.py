@@ -90,30 +90,55 @@ def build_text_data(
         source, tokenizer, bpe_vocab_size, bpe_train_bytes, val_fraction, text_field, cache_dir, num_proc
     )
     store = open_or_prepare(settings)
-    manifest = store.manifest
+    _check_vocab_size(store, vocab_size)
+    _check_val_tokens(store, source, block_size, val_fraction)
+    train = RandomBlocks(store.train, block_size, batch_size, seed)
+    val_set = Windows(store.val, block_size)
+    val = DataLoader(val_set, batch_size, shuffle=False, num_workers=num_workers)
+    info = _info(source, store, block_size, len(val_set))
+    log.info("text data: %s", ", ".join(f"{k} {v}" for k, v in info.items()))
+    return _text_data(store, train, val, info, batch_first)
+
+
+def _check_vocab_size(store: TokenStore, vocab_size: int | None) -> None:
+    """Refuse a data.vocab_size that is set and differs from the tokenizer's vocabulary.
+
+    Raises:
+        DataError: data.vocab_size is not the tokenizer's vocabulary.
+    """
     vocab = store.tokenizer.vocab_size
     if vocab_size is not None and vocab_size != vocab:
         raise DataError(
             f"data.vocab_size={vocab_size}, but the tokenizer ({store.tokenizer.kind}) has {vocab} tokens; leave "
             "data.vocab_size null: it is filled from the tokenizer."
         )
+
+
+def _check_val_tokens(store: TokenStore, source: str, block_size: int, val_fraction: float) -> None:
+    """Refuse a validation split too short for one window of block_size + 1 tokens.
+
+    Raises:
+        DataError: the validation split holds fewer than block_size + 1 tokens.
+    """
     if len(store.val) < block_size + 1:
         raise DataError(
             f"data.source: '{source}' gives {len(store.val):,} validation tokens, too few for one window of "
             f"data.block_size={block_size} + 1 ({val_fraction:.0%} held out). Use a larger corpus, or lower "
             "data.block_size."
         )
-    train = RandomBlocks(store.train, block_size, batch_size, seed)
-    val_set = Windows(store.val, block_size)
-    val = DataLoader(val_set, batch_size, shuffle=False, num_workers=num_workers)
-    info = _info(source, store, block_size, len(val_set))
-    log.info("text data: %s", ", ".join(f"{k} {v}" for k, v in info.items()))
+
+
+def _text_data(
+    store: TokenStore, train: RandomBlocks, val: DataLoader, info: dict[str, float | int | str], batch_first: bool
+) -> Data:
+    """The Data a run gets: the loaders, the info, and the store's fingerprint, tokenizer, bits-per-byte metric and
+    run files."""
     return Data(
         train,
         val,
         info=info,
         batch_first=batch_first,
-        fingerprint=manifest["fingerprint"],
+        fingerprint=store.manifest["fingerprint"],
         tokenizer=store.tokenizer.identity,
         tokenizer_object=store.tokenizer,
         eval_metrics=functools.partial(bits_per_byte, tokens_per_byte=store.tokens_per_byte),

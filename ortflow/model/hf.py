@@ -115,41 +115,74 @@ def build_hf_model(
     if task not in TASKS:
         raise ModelError(f"model.task={task!r} is not a task ortflow knows; choose one of {sorted(TASKS)}.")
     auto = getattr(transformers, TASKS[task])
+    settings = _config_settings(task, config, num_labels)
+    if name_or_path:
+        model = _pretrained(auto, name_or_path, settings)
+        source = name_or_path
+    else:
+        model = _random_init(transformers, auto, model_type, settings, vocab_size, max_positions)
+        source = f"random {model_type}"
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("built %s (%s, %s): %.2fM parameters", type(model).__name__, source, task, n_params / 1e6)
+    return HFModel(model, output)
+
+
+def _config_settings(task: str, config: dict[str, Any] | None, num_labels: int | None) -> dict[str, Any]:
+    """The keyword arguments for the model's config: model.config, with no key/value cache for a causal LM (unless
+    set) and model.num_labels when given."""
     settings = dict(config or {})
     if task == "causal_lm":
         settings.setdefault("use_cache", False)  # training: no key/value cache among the outputs
     if num_labels is not None:
         settings["num_labels"] = num_labels
-    if name_or_path:
-        try:
-            if not _available_locally(name_or_path):
-                raise OSError("no config.json there or in the cache")
-            model = auto.from_pretrained(name_or_path, local_files_only=True, **settings)
-        except (OSError, ValueError) as err:
-            raise ModelError(
-                f"model.name_or_path={name_or_path!r} is not a model directory here nor a model in the local Hugging "
-                f"Face cache, and ortflow downloads nothing ({str(err).strip().splitlines()[0]}). Give a local "
-                "directory holding config.json and the weights, or set model.name_or_path=null for a random-"
-                "initialised model."
-            ) from None
-        source = name_or_path
-    else:
-        if not model_type:
-            raise ModelError("model=hf needs model.name_or_path (pretrained) or model.model_type (random init).")
-        try:
-            model_config = transformers.AutoConfig.for_model(model_type, **settings)
-        except ValueError as err:
-            raise ModelError(f"model.model_type={model_type!r}: {str(err).splitlines()[0]}") from None
-        if vocab_size is not None:
-            model_config.vocab_size = vocab_size
-            _special_tokens_within(model_config, vocab_size, settings, model_type)
-        if max_positions is not None and "max_position_embeddings" not in settings:
-            model_config.max_position_embeddings = max_positions  # gpt2's n_positions through its attribute map
-        model = auto.from_config(model_config)
-        source = f"random {model_type}"
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info("built %s (%s, %s): %.2fM parameters", type(model).__name__, source, task, n_params / 1e6)
-    return HFModel(model, output)
+    return settings
+
+
+def _pretrained(auto: Any, name_or_path: str, settings: dict[str, Any]) -> nn.Module:
+    """The pretrained model in a local directory or the local Hugging Face cache, with `settings` on its config.
+
+    Raises:
+        ModelError: the model is not available locally (nothing is downloaded), or it does not load.
+    """
+    try:
+        if not _available_locally(name_or_path):
+            raise OSError("no config.json there or in the cache")
+        return auto.from_pretrained(name_or_path, local_files_only=True, **settings)
+    except (OSError, ValueError) as err:
+        raise ModelError(
+            f"model.name_or_path={name_or_path!r} is not a model directory here nor a model in the local Hugging "
+            f"Face cache, and ortflow downloads nothing ({str(err).strip().splitlines()[0]}). Give a local "
+            "directory holding config.json and the weights, or set model.name_or_path=null for a random-"
+            "initialised model."
+        ) from None
+
+
+def _random_init(
+    transformers: Any,
+    auto: Any,
+    model_type: str | None,
+    settings: dict[str, Any],
+    vocab_size: int | None,
+    max_positions: int | None,
+) -> nn.Module:
+    """A random-initialised `model_type` model, its vocabulary and context length following the data's.
+
+    Raises:
+        ModelError: no model_type, or one transformers does not know.
+        ConfigError: model.config sets a special token id outside the vocabulary.
+    """
+    if not model_type:
+        raise ModelError("model=hf needs model.name_or_path (pretrained) or model.model_type (random init).")
+    try:
+        model_config = transformers.AutoConfig.for_model(model_type, **settings)
+    except ValueError as err:
+        raise ModelError(f"model.model_type={model_type!r}: {str(err).splitlines()[0]}") from None
+    if vocab_size is not None:
+        model_config.vocab_size = vocab_size
+        _special_tokens_within(model_config, vocab_size, settings, model_type)
+    if max_positions is not None and "max_position_embeddings" not in settings:
+        model_config.max_position_embeddings = max_positions  # gpt2's n_positions through its attribute map
+    return auto.from_config(model_config)
 
 
 SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id", "mask_token_id")

@@ -11,7 +11,7 @@ import torch
 
 from ortflow.data import Data
 from ortflow.data.images import shapes
-from ortflow.data.images.loaders import Transformed, image_loaders
+from ortflow.data.images.splits import split_loaders
 from ortflow.data.images.transforms import Transforms
 from ortflow.errors import DataError
 
@@ -58,13 +58,34 @@ def build_images_data(
         )
     transforms = Transforms.from_config(image_size, resize, crop, crop_scale, hflip, mean, std)
     train_transform, val_transform = transforms.train(image_size), transforms.eval(image_size)
+    (x_train, y_train), (x_val, y_val) = _draw(train_images, val_images, image_size, noise, seed)
+    train, val = split_loaders(
+        (x_train.__getitem__, y_train),
+        (x_val.__getitem__, y_val),
+        (train_transform, val_transform),
+        batch_size,
+        seed,
+        num_workers,
+    )
+    fingerprint = _fingerprint(image_size, train_images, val_images, noise, seed)
+    _log_drawn(train_images, val_images, image_size)
+    info = _info(train_images, val_images, transforms, fingerprint)
+    return Data(train, val, info, fingerprint=fingerprint)
+
+
+def _draw(
+    train_images: int, val_images: int, image_size: int, noise: float, seed: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Draw the training and validation shapes from separate streams of `seed`, as (images, class ids) tensors."""
     streams = np.random.SeedSequence(seed).spawn(2)  # training and validation images never share draws
     x_train, y_train = shapes.generate(train_images, image_size, noise, np.random.default_rng(streams[0]))
     x_val, y_val = shapes.generate(val_images, image_size, noise, np.random.default_rng(streams[1]))
     x_train, x_val = torch.from_numpy(x_train), torch.from_numpy(x_val)  # uint8 (N, 3, S, S)
-    train_set = Transformed(x_train.__getitem__, torch.from_numpy(y_train), train_transform)
-    val_set = Transformed(x_val.__getitem__, torch.from_numpy(y_val), val_transform)
-    train, val = image_loaders(train_set, val_set, batch_size, seed, num_workers)
+    return (x_train, torch.from_numpy(y_train)), (x_val, torch.from_numpy(y_val))
+
+
+def _fingerprint(image_size: int, train_images: int, val_images: int, noise: float, seed: int) -> str:
+    """A digest of the settings that decide the drawn images (the generator's version included)."""
     settings = {
         "generator": shapes.GENERATOR,
         "image_size": image_size,
@@ -73,7 +94,11 @@ def build_images_data(
         "noise": noise,
         "seed": seed,
     }
-    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _log_drawn(train_images: int, val_images: int, image_size: int) -> None:
+    """Log how many shapes were drawn, their size and the number of classes."""
     log.info(
         "images: %d train / %d val drawn shapes of %dx%d pixels, %d classes",
         train_images,
@@ -82,7 +107,11 @@ def build_images_data(
         image_size,
         len(shapes.CLASSES),
     )
-    info = {
+
+
+def _info(train_images: int, val_images: int, transforms: Transforms, fingerprint: str) -> dict[str, Any]:
+    """The data's description for the run's records: the source, the image and class counts, the transforms."""
+    return {
         "source": f"embedded shapes ({shapes.GENERATOR})",
         "train_images": train_images,
         "val_images": val_images,
@@ -91,4 +120,3 @@ def build_images_data(
         **transforms.info(),
         "fingerprint": fingerprint,
     }
-    return Data(train, val, info, fingerprint=fingerprint)

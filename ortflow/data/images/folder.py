@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ortflow.data import Data
-from ortflow.data.images.loaders import Transformed, image_loaders
+from ortflow.data.images.splits import split_loaders
 from ortflow.data.images.transforms import Transforms, require_torchvision
 from ortflow.errors import DataError
 
@@ -176,19 +176,8 @@ def build_image_folder_data(
     """
     require_torchvision("data=image_folder")
     transforms = Transforms.from_config(image_size, resize, crop, crop_scale, hflip, mean, std)
-    folder = Path(root).expanduser()
-    if not folder.exists():
-        raise DataError(f"data.root={root}: folder '{folder}' does not exist. Give the folder that holds {LAYOUT}.")
-    if not folder.is_dir():
-        raise DataError(f"data.root={root}: '{folder}' is a file; give the folder that holds {LAYOUT}.")
-    classes = _class_folders(folder / "train", folder)
-    val_classes = _class_folders(folder / "val", folder)
-    if unknown := [c for c in val_classes if c not in classes]:
-        raise DataError(
-            f"data.root={root}: val/ has class folder(s) that train/ lacks: {', '.join(unknown[:_SHOWN])}. The model "
-            f"learns only train/'s classes ({len(classes)}: {', '.join(classes[:_SHOWN])}"
-            f"{', ...' if len(classes) > _SHOWN else ''}); add training images for them or remove them from val/."
-        )
+    folder = _root_folder(root)
+    classes, val_classes = _split_classes(folder, root)
     class_ids = {name: i for i, name in enumerate(classes)}
     train_split, val_split = _scan(folder, "train", class_ids, classes), _scan(folder, "val", class_ids, val_classes)
     if len(train_split.paths) < batch_size:
@@ -198,9 +187,46 @@ def build_image_folder_data(
         )
     if verify:
         _verify(train_split.paths + val_split.paths, folder)
-    train_set = Transformed(ImageFiles(train_split.paths), torch.tensor(train_split.labels), transforms.train())
-    val_set = Transformed(ImageFiles(val_split.paths), torch.tensor(val_split.labels), transforms.eval())
-    train, val = image_loaders(train_set, val_set, batch_size, seed, num_workers)
+    train, val = split_loaders(
+        (ImageFiles(train_split.paths), torch.tensor(train_split.labels)),
+        (ImageFiles(val_split.paths), torch.tensor(val_split.labels)),
+        (transforms.train(), transforms.eval()),
+        batch_size,
+        seed,
+        num_workers,
+    )
+    _log_found(root, folder, classes, val_classes, train_split, val_split)
+    info = _info(folder, classes, train_split, val_split, transforms)
+    return Data(train, val, info, fingerprint=info["fingerprint"])
+
+
+def _root_folder(root: str) -> Path:
+    """The folder `root` names, with ~ expanded; a DataError when it is missing or is a file."""
+    folder = Path(root).expanduser()
+    if not folder.exists():
+        raise DataError(f"data.root={root}: folder '{folder}' does not exist. Give the folder that holds {LAYOUT}.")
+    if not folder.is_dir():
+        raise DataError(f"data.root={root}: '{folder}' is a file; give the folder that holds {LAYOUT}.")
+    return folder
+
+
+def _split_classes(folder: Path, root: str) -> tuple[list[str], list[str]]:
+    """The class names of train/ and of val/; a DataError when val/ has a class that train/ lacks."""
+    classes = _class_folders(folder / "train", folder)
+    val_classes = _class_folders(folder / "val", folder)
+    if unknown := [c for c in val_classes if c not in classes]:
+        raise DataError(
+            f"data.root={root}: val/ has class folder(s) that train/ lacks: {', '.join(unknown[:_SHOWN])}. The model "
+            f"learns only train/'s classes ({len(classes)}: {', '.join(classes[:_SHOWN])}"
+            f"{', ...' if len(classes) > _SHOWN else ''}); add training images for them or remove them from val/."
+        )
+    return classes, val_classes
+
+
+def _log_found(
+    root: str, folder: Path, classes: list[str], val_classes: list[str], train_split: Split, val_split: Split
+) -> None:
+    """Warn of train/'s classes that val/ lacks, and log the image and class counts and the files skipped."""
     missing = [c for c in classes if c not in val_classes]
     if missing:
         log.warning("data.root=%s: val/ has no images of %d class(es): %s", root, len(missing), ", ".join(missing[:5]))
@@ -213,14 +239,20 @@ def build_image_folder_data(
         len(classes),
         f" ({skipped} hidden or non-image files skipped)" if skipped else "",
     )
-    info = {
+
+
+def _info(
+    folder: Path, classes: list[str], train_split: Split, val_split: Split, transforms: Transforms
+) -> dict[str, Any]:
+    """The data's description for the run's records: the folder, the image and class counts, the files skipped,
+    the transforms and the fingerprint."""
+    return {
         "source": str(folder),
         "train_images": len(train_split.paths),
         "val_images": len(val_split.paths),
         "classes": len(classes),
         "class_names": ", ".join(classes[:20]) + (", ..." if len(classes) > 20 else ""),
-        "skipped_files": skipped,
+        "skipped_files": train_split.skipped + val_split.skipped,
         **transforms.info(),
         "fingerprint": fingerprint(train_split.stats + val_split.stats),
     }
-    return Data(train, val, info, fingerprint=info["fingerprint"])

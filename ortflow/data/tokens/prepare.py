@@ -382,15 +382,7 @@ def prepare(settings: PrepareSettings, say: Callable[[str], None] = say_on_conso
     if not force and (found := _valid(target)):
         log.info("data: '%s' is prepared in %s (cache hit)", settings.source, target)
         return found
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        lock = root / f".{key}.lock"
-        lock.touch()
-    except OSError as err:
-        raise DataError(
-            f"data.cache_dir: cannot write the token cache '{root}' ({err.strerror}); set data.cache_dir to a "
-            "writable folder."
-        ) from None
+    lock = _lock_file(root, key)
     with _locked(lock):
         if not force and (found := _valid(target)):  # another process prepared it while this one waited
             return found
@@ -399,14 +391,7 @@ def prepare(settings: PrepareSettings, say: Callable[[str], None] = say_on_conso
         work = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
         try:
             manifest = _prepare_into(work, settings, src, key, say)
-            if target.exists():  # --force: the store it replaces goes once the new one is in place
-                replaced = Path(tempfile.mkdtemp(prefix=f".{key}.old-", dir=root))
-                os.rename(target, replaced / key)
-                os.rename(work, target)
-                shutil.rmtree(replaced, ignore_errors=True)
-            else:
-                os.rename(work, target)
-            _fsync_dir(root)
+            _move_into_place(work, target, root, key)
         except BaseException as err:
             shutil.rmtree(work, ignore_errors=True)
             if isinstance(err, OSError) and err.errno == errno.ENOSPC:
@@ -419,6 +404,45 @@ def prepare(settings: PrepareSettings, say: Callable[[str], None] = say_on_conso
             if isinstance(err, OSError) and not isinstance(err, DataError):
                 raise DataError(f"data: cannot write prepared tokens into '{work}' ({err}).") from None
             raise
+    _say_prepared(say, settings, src, manifest, target)
+    return TokenStore.open(target)
+
+
+def _lock_file(root: Path, key: str) -> Path:
+    """Create the cache folder and the lock file that guards the store `key` in it.
+
+    Raises:
+        DataError: the cache folder cannot be written.
+    """
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = root / f".{key}.lock"
+        lock.touch()
+    except OSError as err:
+        raise DataError(
+            f"data.cache_dir: cannot write the token cache '{root}' ({err.strerror}); set data.cache_dir to a "
+            "writable folder."
+        ) from None
+    return lock
+
+
+def _move_into_place(work: Path, target: Path, root: Path, key: str) -> None:
+    """Rename the finished store `work` to `target`, replacing (then removing) one already there, and sync the
+    cache folder."""
+    if target.exists():  # --force: the store it replaces goes once the new one is in place
+        replaced = Path(tempfile.mkdtemp(prefix=f".{key}.old-", dir=root))
+        os.rename(target, replaced / key)
+        os.rename(work, target)
+        shutil.rmtree(replaced, ignore_errors=True)
+    else:
+        os.rename(work, target)
+    _fsync_dir(root)
+
+
+def _say_prepared(
+    say: Callable[[str], None], settings: PrepareSettings, src: sources.Sources, manifest: dict[str, Any], target: Path
+) -> None:
+    """Say what was prepared: the source and its size, the tokenizer, the token counts, the speed and the folder."""
     size = src.size
     say(
         f"data: prepared '{settings.source}' ({size / 1e6:,.1f} MB) with tokenizer {manifest['tokenizer']['kind']} "
@@ -426,7 +450,6 @@ def prepare(settings: PrepareSettings, say: Callable[[str], None] = say_on_conso
         f"{manifest['splits']['val']['tokens']:,} val tokens in {manifest['prepare']['seconds']:.1f} s "
         f"({manifest['prepare']['mb_per_s']:.1f} MB/s) -> {target}"
     )
-    return TokenStore.open(target)
 
 
 def _prepare_into(
