@@ -163,7 +163,11 @@ def run_length(ctx: EngineContext) -> int | None:
 
 
 class AutoEngine:
-    """The chosen engine, with the probe in its description (run.json) and its choice for checkpoints."""
+    """The chosen engine, with the probe in its description (run.json) and its choice for checkpoints.
+
+    Everything else is the chosen engine's own, found through `__getattr__`: an optional member the loop or
+    ortflow-check looks for (train_micro, last_grad_norm, an ORT engine's state) is there exactly when the chosen
+    engine has it, which a wrapper listing the protocol's methods would get wrong."""
 
     def __init__(self, engine: Any, choice: dict[str, Any], probes: list[dict[str, Any]]) -> None:
         self._engine = engine
