@@ -74,22 +74,15 @@ def without_dropout(model: nn.Module) -> nn.Module:
     return copied
 
 
-def build(
+def _write_engine_set(
     model: nn.Module,
     example: tuple[Inputs, torch.Tensor],
     loss: Loss,
     optim: OptimConfig,
-    lr: float,
     grad_clip: float | None,
     folder: Path,
-) -> ArtifactSet:
-    """Write a set for `model`'s current weights into `folder` (the model itself is left as it was).
-
-    Raises:
-        OrtflowError: the engine cannot export the model, or the set holds what a device cannot run.
-    """
-    model = copy.deepcopy(model).float()
-    folder.mkdir(parents=True, exist_ok=True)
+) -> tuple[bool, list[str], set[str], set[str]]:
+    """Write the engine's set into `folder`, its checkpoint from the engine's state and its scratch files removed."""
     ctx = EngineContext(
         model=model,
         example=example,
@@ -112,14 +105,21 @@ def build(
     del engine  # its sessions hold the files open
     for name in SCRATCH:
         (folder / name).unlink(missing_ok=True)
+    return loss_by_ort_block, user_inputs, trainable, state_names
 
-    training = onnx.load(str(folder / FILES["training_model"]))
-    scale = lr / portable.RUNTIME_LR
+
+def _carry_learning_rate(folder: Path, scale: float) -> None:
+    """Make the optimizer model carry the run's learning rate (`scale` x the runtime's) and Hugging Face's AdamW."""
     optimizer = onnx.load(str(folder / FILES["optimizer_model"]))
     graphs.scale_learning_rate(optimizer, scale)
     graphs.hugging_face_adamw(optimizer)
     onnx.save(optimizer, str(folder / FILES["optimizer_model"]))
 
+
+def _parameters(
+    training: onnx.ModelProto, state_names: set[str], trainable: set[str]
+) -> list[tuple[str, list[int], bool]]:
+    """The training graph's parameter inputs as (graph name, shape, trainable), in the flat buffer's order."""
     initializer_names = {i.name for i in training.graph.initializer}
     parameters = []
     for value in training.graph.input:
@@ -127,6 +127,16 @@ def build(
             continue  # data inputs, lazy_reset_grad, the gradient accumulation buffers
         shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
         parameters.append((value.name, shape, value.name in trainable))
+    return parameters
+
+
+def _refuse_unportable(
+    folder: Path,
+    training: onnx.ModelProto,
+    user_inputs: list[str],
+    parameters: list[tuple[str, list[int], bool]],
+) -> None:
+    """Raise if any of the set's models holds what a device cannot run or takes an input a device does not feed."""
     buffers = {v.name for v in training.graph.input if v.name.endswith(graphs.GRAD_BUFFER)}
     allowed = {*user_inputs, graphs.LAZY_RESET_GRAD, *(p[0] for p in parameters), *buffers}
     problems = []
@@ -139,4 +149,32 @@ def build(
             "the exported set cannot train on a device: " + "; ".join(problems) + ". An op exported as torch's "
             "kernel has no ORT-native path for this model (upsampling is one today); export a model without it."
         )
+
+
+def build(
+    model: nn.Module,
+    example: tuple[Inputs, torch.Tensor],
+    loss: Loss,
+    optim: OptimConfig,
+    lr: float,
+    grad_clip: float | None,
+    folder: Path,
+) -> ArtifactSet:
+    """Write a set for `model`'s current weights into `folder` (the model itself is left as it was).
+
+    Raises:
+        OrtflowError: the engine cannot export the model, or the set holds what a device cannot run.
+    """
+    model = copy.deepcopy(model).float()
+    folder.mkdir(parents=True, exist_ok=True)
+    loss_by_ort_block, user_inputs, trainable, state_names = _write_engine_set(
+        model, example, loss, optim, grad_clip, folder
+    )
+
+    training = onnx.load(str(folder / FILES["training_model"]))
+    scale = lr / portable.RUNTIME_LR
+    _carry_learning_rate(folder, scale)
+
+    parameters = _parameters(training, state_names, trainable)
+    _refuse_unportable(folder, training, user_inputs, parameters)
     return ArtifactSet(folder, user_inputs, loss_by_ort_block, parameters, graphs.dropout_nodes(training), scale)

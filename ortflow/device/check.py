@@ -274,6 +274,88 @@ def _first_step(
             )
 
 
+def _losses(
+    verdict: Verdict,
+    device: DeviceRun,
+    reference: Reference,
+    tensors: list[dict[str, Any]],
+    envelope: Envelope,
+    replay: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
+) -> None:
+    """Each step's loss held to eager's, and the rest of step 1 (gradients, update, BatchNorm) after its loss."""
+    for step, (got, want) in enumerate(zip(device.losses, reference.losses, strict=True), 1):
+        diff, tol = _relative(got, want), envelope.loss_tolerance(step)
+        verdict.rows.append((f"step {step} loss", f"{got:.7f}", f"{want:.7f}", f"{diff:.1e} rel (tol {tol:.0e})"))
+        if not diff <= tol:
+            verdict.failures.append(f"step {step}'s loss differs by {diff:.2e} (relative), over {tol:.2g}")
+        if step == 1:
+            _first_step(verdict, device, reference, tensors, envelope, replay)
+
+
+def _eval_loss(verdict: Verdict, device: DeviceRun, reference: Reference, envelope: Envelope) -> None:
+    """The eval loss after the steps held to eager's, within LOSS_MARGIN x eager's band."""
+    diff, tol = _relative(device.eval_loss, reference.eval_loss), max(TOLERANCE, LOSS_MARGIN * envelope.eval_band)
+    verdict.rows.append(
+        ("eval loss after", f"{device.eval_loss:.7f}", f"{reference.eval_loss:.7f}", f"{diff:.1e} rel (tol {tol:.0e})")
+    )
+    if not diff <= tol:
+        verdict.failures.append(f"the eval loss differs by {diff:.2e} (relative), over {tol:.2g}")
+
+
+def _final_parameters(verdict: Verdict, after: dict[str, np.ndarray], reference: Reference, envelope: Envelope) -> None:
+    """The parameters after the last step held to eager's, relative to the largest."""
+    scale = max((float(np.abs(v).max()) for v in reference.parameters.values()), default=1.0)
+    moved = _largest_difference(after, reference.parameters) / max(scale, 1e-12)
+    tol = max(PARAMETER_TOLERANCE, MARGIN * envelope.parameters)
+    verdict.rows.append(("parameters after", "", "", f"{moved:.1e} rel to the largest (tol {tol:.0e})"))
+    if not moved <= tol:
+        verdict.failures.append(f"the parameters differ by {moved:.2e} (relative), over {tol:.2g}")
+
+
+def _final_statistics(verdict: Verdict, after: dict[str, np.ndarray], reference: Reference, envelope: Envelope) -> None:
+    """The BatchNorm running statistics after the last step held to eager's (the biased variance), if any."""
+    if not reference.running_mean:
+        return
+    statistics = {n: after[f"{n}.running_mean"] for n in reference.running_mean if f"{n}.running_mean" in after}
+    bn_mean = _largest_difference(statistics, reference.running_mean)
+    variances = {n: after[f"{n}.running_var"] for n in reference.running_var_biased if f"{n}.running_var" in after}
+    bn_var = _largest_difference(variances, reference.running_var_biased)
+    bn_scale = max(
+        float(np.abs(v).max()) for v in (*reference.running_mean.values(), *reference.running_var_biased.values())
+    )
+    tol = max(BATCHNORM_TOLERANCE * max(bn_scale, 1.0), MARGIN * envelope.final_statistics)
+    verdict.rows.append(("BatchNorm running_mean", "ORT kernel", "torch", f"{bn_mean:.1e} abs (tol {tol:.0e})"))
+    verdict.rows.append(("BatchNorm running_var", "ORT kernel", "torch, biased var", f"{bn_var:.1e} abs"))
+    for what, value in (("running means", bn_mean), ("running variances", bn_var)):
+        if not value <= tol:
+            verdict.failures.append(f"BatchNorm {what} differ by {value:.2e}, over {tol:.2g}")
+
+
+def _torch_absent(verdict: Verdict, device: DeviceRun) -> None:
+    """Torch absent from the torch-free process: not mapped into it, not importable, its training package not run."""
+    maps = device.record["forbidden_maps"]
+    verdict.rows.append(("torch in the process", "none" if not maps else maps[0], "", ""))
+    if maps or device.record["torch_importable"] or device.record["training_package_init_run"]:
+        verdict.failures.append(f"torch was reachable in the torch-free process ({device.record})")
+
+
+def _dropout(verdict: Verdict, device: DeviceRun, dropout_on: DeviceRun | None, dropout_nodes: int) -> None:
+    """With dropout on, the shipped set's first loss differs from the dropout-off one: its Dropout nodes act."""
+    if dropout_on is None:
+        return
+    first, off = dropout_on.losses[0], device.losses[0]
+    verdict.rows.append(
+        (
+            f"dropout on ({dropout_nodes} nodes)",
+            f"{first:.7f}",
+            f"off: {off:.7f}",
+            f"{_relative(first, off):.1e} rel",
+        )
+    )
+    if first == off:
+        verdict.failures.append("the set's Dropout nodes did not act: its first loss equals the dropout-off one")
+
+
 def compare(
     device: DeviceRun,
     reference: Reference,
@@ -286,54 +368,11 @@ def compare(
     """The table and every failure: the first step (losses, gradients, update, BatchNorm), the later losses, the eval
     loss, parameters and BatchNorm statistics after the steps, torch absent, dropout."""
     verdict = Verdict()
-    for step, (got, want) in enumerate(zip(device.losses, reference.losses, strict=True), 1):
-        diff, tol = _relative(got, want), envelope.loss_tolerance(step)
-        verdict.rows.append((f"step {step} loss", f"{got:.7f}", f"{want:.7f}", f"{diff:.1e} rel (tol {tol:.0e})"))
-        if not diff <= tol:
-            verdict.failures.append(f"step {step}'s loss differs by {diff:.2e} (relative), over {tol:.2g}")
-        if step == 1:
-            _first_step(verdict, device, reference, tensors, envelope, replay)
-    diff, tol = _relative(device.eval_loss, reference.eval_loss), max(TOLERANCE, LOSS_MARGIN * envelope.eval_band)
-    verdict.rows.append(
-        ("eval loss after", f"{device.eval_loss:.7f}", f"{reference.eval_loss:.7f}", f"{diff:.1e} rel (tol {tol:.0e})")
-    )
-    if not diff <= tol:
-        verdict.failures.append(f"the eval loss differs by {diff:.2e} (relative), over {tol:.2g}")
+    _losses(verdict, device, reference, tensors, envelope, replay)
+    _eval_loss(verdict, device, reference, envelope)
     after = _by_name(tensors, device.parameters, trainable=False)
-    scale = max((float(np.abs(v).max()) for v in reference.parameters.values()), default=1.0)
-    moved = _largest_difference(after, reference.parameters) / max(scale, 1e-12)
-    tol = max(PARAMETER_TOLERANCE, MARGIN * envelope.parameters)
-    verdict.rows.append(("parameters after", "", "", f"{moved:.1e} rel to the largest (tol {tol:.0e})"))
-    if not moved <= tol:
-        verdict.failures.append(f"the parameters differ by {moved:.2e} (relative), over {tol:.2g}")
-    if reference.running_mean:
-        statistics = {n: after[f"{n}.running_mean"] for n in reference.running_mean if f"{n}.running_mean" in after}
-        bn_mean = _largest_difference(statistics, reference.running_mean)
-        variances = {n: after[f"{n}.running_var"] for n in reference.running_var_biased if f"{n}.running_var" in after}
-        bn_var = _largest_difference(variances, reference.running_var_biased)
-        bn_scale = max(
-            float(np.abs(v).max()) for v in (*reference.running_mean.values(), *reference.running_var_biased.values())
-        )
-        tol = max(BATCHNORM_TOLERANCE * max(bn_scale, 1.0), MARGIN * envelope.final_statistics)
-        verdict.rows.append(("BatchNorm running_mean", "ORT kernel", "torch", f"{bn_mean:.1e} abs (tol {tol:.0e})"))
-        verdict.rows.append(("BatchNorm running_var", "ORT kernel", "torch, biased var", f"{bn_var:.1e} abs"))
-        for what, value in (("running means", bn_mean), ("running variances", bn_var)):
-            if not value <= tol:
-                verdict.failures.append(f"BatchNorm {what} differ by {value:.2e}, over {tol:.2g}")
-    maps = device.record["forbidden_maps"]
-    verdict.rows.append(("torch in the process", "none" if not maps else maps[0], "", ""))
-    if maps or device.record["torch_importable"] or device.record["training_package_init_run"]:
-        verdict.failures.append(f"torch was reachable in the torch-free process ({device.record})")
-    if dropout_on is not None:
-        first, off = dropout_on.losses[0], device.losses[0]
-        verdict.rows.append(
-            (
-                f"dropout on ({dropout_nodes} nodes)",
-                f"{first:.7f}",
-                f"off: {off:.7f}",
-                f"{_relative(first, off):.1e} rel",
-            )
-        )
-        if first == off:
-            verdict.failures.append("the set's Dropout nodes did not act: its first loss equals the dropout-off one")
+    _final_parameters(verdict, after, reference, envelope)
+    _final_statistics(verdict, after, reference, envelope)
+    _torch_absent(verdict, device)
+    _dropout(verdict, device, dropout_on, dropout_nodes)
     return verdict

@@ -30,7 +30,7 @@ from ortflow.errors import ConfigError, OrtflowError
 from ortflow.files import json_text, write_bytes_atomic
 from ortflow.model import one_ulp
 from ortflow.step import loss as losses
-from ortflow.step.batch import Inputs, layout_of, split_batch
+from ortflow.step.batch import Inputs, Layout, layout_of, split_batch
 
 log = logging.getLogger(__name__)
 
@@ -122,59 +122,136 @@ def _export(
 ) -> dict[str, Any]:
     """export() into request.out, a new folder."""
     optim = typed_optim(cfg)
-    if problems := refusals(cfg, optim):
-        raise OrtflowError(" ".join(problems))
-    lr = float(request.lr if request.lr is not None else optim.lr)
-    if not lr > 0:
-        raise ConfigError(f"--lr {lr}: give a positive learning rate.")
-    batch_size = request.batch_size or int(data.train.batch_size)
+    lr, batch_size = _settings(cfg, optim, data, request)
     objective = losses.build(cfg.loss)
     grad_clip = OmegaConf.select(cfg, "trainer.grad_clip")
     batch = example_batch(data, batch_size)
     model = model.float().eval()
     momenta = artifact_set.batchnorm_momenta(model)  # momentum=None refused before anything is written
     out = request.out
+    shipped, check_set, quiet = _build_sets(model, batch, objective, optim, lr, grad_clip, out)
+
+    layout = layout_of(batch[0])
+    example = _write_example(out, shipped, objective, layout, batch)
+    described = _write_preprocessing(cfg, data, out)
+    record = _manifest(cfg, shipped, example, described, optim, lr, grad_clip, batch_size, momenta, run)
+    _write_manifests(out, record, shipped, check_set)
+    shutil.copyfile(torch_free.__file__, out / check.SCRIPT)
+
+    lr_in_graph = reference.float32_lr(shipped.learning_rate_scale, portable.RUNTIME_LR)
+    steps = (layout, batch, objective, optim, lr_in_graph, grad_clip, request.steps)
+    eager, envelope = _eager_with_noise(quiet, steps)
+    device, dropout_on = _device_runs(out, shipped, check_set, request.steps)
+    tensors = record["parameters"]["tensors"]
+    gradients = check.device_gradients(device, tensors)
+    replay = reference.replayed_update(quiet, gradients, optim, lr_in_graph, grad_clip)
+    verdict = check.compare(device, eager, tensors, dropout_on, shipped.dropout_nodes, envelope, replay)
+    set_name = str(check_set.folder.relative_to(out)) if check_set is not shipped else "."
+    record["check"] = _check_record(request.steps, lr, verdict, device, eager, envelope, set_name)
+    _write_manifest(out, record)
+    log.info("device export %s, check without torch:\n%s", out, verdict.table())
+    _raise_if_failed(verdict)
+    if request.web:
+        _add_web(out, request.ort_web, record)
+    return record
+
+
+def _settings(cfg: DictConfig, optim: OptimConfig, data: Data, request: Request) -> tuple[float, int]:
+    """The export's learning rate and batch size, once the run is known to be one a device can train."""
+    if problems := refusals(cfg, optim):
+        raise OrtflowError(" ".join(problems))
+    lr = float(request.lr if request.lr is not None else optim.lr)
+    if not lr > 0:
+        raise ConfigError(f"--lr {lr}: give a positive learning rate.")
+    batch_size = request.batch_size or int(data.train.batch_size)
+    return lr, batch_size
+
+
+def _build_sets(
+    model: nn.Module,
+    batch: tuple[Inputs, torch.Tensor],
+    objective: losses.Loss,
+    optim: OptimConfig,
+    lr: float,
+    grad_clip: float | None,
+    out: Path,
+) -> tuple[artifact_set.ArtifactSet, artifact_set.ArtifactSet, nn.Module]:
+    """Write the shipped set and, for a model with dropout, the checked one without it; returns them and that model."""
     shipped = artifact_set.build(model, batch, objective, optim, lr, grad_clip, out)
     quiet = model if not shipped.dropout_nodes else artifact_set.without_dropout(model)
     check_set = shipped
     if shipped.dropout_nodes:
         check_set = artifact_set.build(quiet, batch, objective, optim, lr, grad_clip, out / CHECK_FOLDER / NO_DROPOUT)
+    return shipped, check_set, quiet
 
-    layout = layout_of(batch[0])
+
+def _write_example(
+    out: Path,
+    shipped: artifact_set.ArtifactSet,
+    objective: losses.Loss,
+    layout: Layout,
+    batch: tuple[Inputs, torch.Tensor],
+) -> list[dict[str, Any]]:
+    """Write the example batch as the set's graphs take it into out/example; returns its inputs' manifest entries."""
     inputs, targets = batch
     graph_targets = objective.flat_targets(targets) if shipped.loss_by_ort_block else targets
     feeds = [t.numpy() for t in (*layout.flatten(inputs), graph_targets)]
-    example = manifest.write_example(out / manifest.EXAMPLE_FOLDER, shipped.user_inputs, feeds)
+    return manifest.write_example(out / manifest.EXAMPLE_FOLDER, shipped.user_inputs, feeds)
+
+
+def _write_preprocessing(cfg: DictConfig, data: Data, out: Path) -> dict[str, Any]:
+    """Write the files the preprocessing's description names into `out`; returns the description."""
     described, files = preprocessing.describe(cfg.data, data)
     for name, content in files.items():
         write_bytes_atomic(out / name, content)
-    record = _manifest(cfg, shipped, example, described, optim, lr, grad_clip, batch_size, momenta, run)
+    return described
+
+
+def _write_manifests(
+    out: Path, record: dict[str, Any], shipped: artifact_set.ArtifactSet, check_set: artifact_set.ArtifactSet
+) -> None:
+    """Write the manifest into `out` and, where the check has its own set, into that set with the example's path."""
     _write_manifest(out, record)
     if check_set is not shipped:
         _write_manifest(
             check_set.folder,
             {**record, "example_batch": {**record["example_batch"], "folder": f"../../{manifest.EXAMPLE_FOLDER}"}},
         )
-    shutil.copyfile(torch_free.__file__, out / check.SCRIPT)
 
-    lr_in_graph = reference.float32_lr(shipped.learning_rate_scale, portable.RUNTIME_LR)
-    steps = (layout, batch, objective, optim, lr_in_graph, grad_clip, request.steps)
+
+def _eager_with_noise(quiet: nn.Module, steps: tuple[Any, ...]) -> tuple[reference.Reference, check.Envelope]:
+    """Eager PyTorch's steps and its own rounding noise, measured from weights moved by one ulp."""
     eager = reference.eager_steps(quiet, *steps)
     seeds = one_ulp.NOISE_SEEDS
     noise = [reference.eager_steps(one_ulp.perturbed(copy.deepcopy(quiet), seed), *steps) for seed in seeds]
-    envelope = check.Envelope.measure(eager, noise)
+    return eager, check.Envelope.measure(eager, noise)
+
+
+def _device_runs(
+    out: Path, shipped: artifact_set.ArtifactSet, check_set: artifact_set.ArtifactSet, steps: int
+) -> tuple[check.DeviceRun, check.DeviceRun | None]:
+    """Train the checked set without torch, and the shipped one for a step with dropout on where it has dropout."""
     results = out / CHECK_FOLDER
     results.mkdir(exist_ok=True)
-    device = check.run_without_torch(out, check_set.folder, request.steps, results / "dropout_off.json")
+    device = check.run_without_torch(out, check_set.folder, steps, results / "dropout_off.json")
     dropout_on = None
     if shipped.dropout_nodes:
         dropout_on = check.run_without_torch(out, out, 1, results / "dropout_on.json")
-    tensors = record["parameters"]["tensors"]
-    gradients = check.device_gradients(device, tensors)
-    replay = reference.replayed_update(quiet, gradients, optim, lr_in_graph, grad_clip)
-    verdict = check.compare(device, eager, tensors, dropout_on, shipped.dropout_nodes, envelope, replay)
-    record["check"] = {
-        "steps": request.steps,
+    return device, dropout_on
+
+
+def _check_record(
+    steps: int,
+    lr: float,
+    verdict: check.Verdict,
+    device: check.DeviceRun,
+    eager: reference.Reference,
+    envelope: check.Envelope,
+    set_name: str,
+) -> dict[str, Any]:
+    """The manifest's record of the torch-free check: its verdict, both sides' losses, eager's noise, tolerances."""
+    return {
+        "steps": steps,
         "lr": lr,
         "passed": not verdict.failures,
         "failures": verdict.failures,
@@ -182,20 +259,27 @@ def _export(
         "losses_without_torch": device.losses,
         "eval_loss_without_torch": device.eval_loss,
         "losses_eager": eager.losses,
-        "set": str(check_set.folder.relative_to(out)) if check_set is not shipped else ".",
+        "set": set_name,
         "eager_noise": envelope.record(),
         "detects": envelope.detects(),  # (the smallest errors it catches; eager_noise holds what sets them)
-        "tolerances": {
-            "loss_step1": check.TOLERANCE,
-            "later_losses": f"max({check.TOLERANCE:g}, {check.LOSS_MARGIN:g} x eager's band at the step)",
-            "step1_gradients": f"max({check.GRADIENT_FLOOR:g}, {check.MARGIN:g} x the spread)",
-            "first_update": check.UPDATE_TOLERANCE,
-            "parameters": f"max({check.PARAMETER_TOLERANCE:g}, {check.MARGIN:g} x the spread)",
-            "batchnorm": f"max({check.BATCHNORM_TOLERANCE:g} x scale, {check.MARGIN:g} x the spread)",
-        },
+        "tolerances": _tolerances(),
     }
-    _write_manifest(out, record)
-    log.info("device export %s, check without torch:\n%s", out, verdict.table())
+
+
+def _tolerances() -> dict[str, Any]:
+    """The check's tolerances as the manifest states them."""
+    return {
+        "loss_step1": check.TOLERANCE,
+        "later_losses": f"max({check.TOLERANCE:g}, {check.LOSS_MARGIN:g} x eager's band at the step)",
+        "step1_gradients": f"max({check.GRADIENT_FLOOR:g}, {check.MARGIN:g} x the spread)",
+        "first_update": check.UPDATE_TOLERANCE,
+        "parameters": f"max({check.PARAMETER_TOLERANCE:g}, {check.MARGIN:g} x the spread)",
+        "batchnorm": f"max({check.BATCHNORM_TOLERANCE:g} x scale, {check.MARGIN:g} x the spread)",
+    }
+
+
+def _raise_if_failed(verdict: check.Verdict) -> None:
+    """Raise check.CheckFailed with the failures and the table if the set failed its check."""
     if verdict.failures:
         raise check.CheckFailed(
             "the exported set does not train as eager PyTorch does without torch: "
@@ -203,13 +287,15 @@ def _export(
             + ".\n"
             + verdict.table()
         )
-    if request.web:
-        from ortflow.device import web
 
-        web.write(out, request.ort_web)
-        record["web"] = web.describe()
-        _write_manifest(out, record)
-    return record
+
+def _add_web(out: Path, ort_web: Path | None, record: dict[str, Any]) -> None:
+    """Write the browser page into out/web and add its description to the manifest."""
+    from ortflow.device import web
+
+    web.write(out, ort_web)
+    record["web"] = web.describe()
+    _write_manifest(out, record)
 
 
 def _write_manifest(folder: Path, record: dict[str, Any]) -> None:
