@@ -123,6 +123,25 @@ setup-cluster:
 test-cluster: setup-test
 	ORTFLOW_CLUSTER_TESTS=1 ORTFLOW_TESTS_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -n 0 $(DURATIONS) $(CLUSTER_TESTS) $(PYTEST_ARGS)
 
+# distributed=deepspeed's tests (tests/deepspeed/) in a venv of their own: ORTModule imports DeepSpeed whenever it is
+# installed (about a second at every ORTModule start), so the other venvs go without ortflow[deepspeed]. Set up as
+# .venv is, plus the extra, plus DeepSpeed's just-in-time communication op built once into ortflow's cache (so that
+# two ranks never build it at their first step).
+DEEPSPEED_VENV := .venv-deepspeed
+DEEPSPEED_STAMP := $(DEEPSPEED_VENV)/.ortflow-deepspeed
+.PHONY: setup-deepspeed test-deepspeed
+$(DEEPSPEED_STAMP): pyproject.toml
+	$(MAKE) VENV=$(DEEPSPEED_VENV) setup-test
+	$(DEEPSPEED_VENV)/bin/python -m pip install --quiet -e ".[deepspeed]" $(PINS)
+	touch $@
+
+setup-deepspeed: $(DEEPSPEED_STAMP)
+	$(DEEPSPEED_VENV)/bin/python -m ortflow.step.deepspeed
+
+test-deepspeed: setup-deepspeed
+	ORTFLOW_DEEPSPEED_TESTS=1 ORTFLOW_TESTS_REQUIRE_TOOLS=1 $(DEEPSPEED_VENV)/bin/python -m pytest -n 0 $(DURATIONS) \
+		tests/deepspeed $(PYTEST_ARGS)
+
 # The newest torch in the supported range, a third leg beside the default and RANGE_TORCH: the same RANGE_TESTS in
 # .venv-torch$(NEWEST_TORCH). The development machines' pip caps torch at 2.14.1 with a constraints file
 # (/etc/xdg/pip); an empty one (PIP_CONSTRAINT=/dev/null) lifts the cap for this venv's installs only.

@@ -220,9 +220,10 @@ class BCEWithLogitsLossConfig:
 class DistributedConfig:
     """Process wrappers around the model, innermost first, and how the processes are started."""
 
-    name: str = "none"  # none | ddp
+    name: str = "none"  # none | ddp | deepspeed
     # Innermost first. `accel` marks where the accel mode's own wrapper (ORTModule) sits; the others are
-    # ddp (torch DistributedDataParallel) and dp (torch.nn.DataParallel, refused with ORTModule).
+    # ddp (torch DistributedDataParallel), deepspeed (DeepSpeed's engine) and dp (torch.nn.DataParallel, refused with
+    # ORTModule).
     wrappers: list[str] = ranged(["accel"], Len(1, 4))
     backend: str = "gloo"  # gloo on CPU (nccl needs GPUs)
     nproc_per_node: int = ranged(
@@ -236,6 +237,11 @@ class DistributedConfig:
     timeout_s: int = ranged(
         60, Ge(1)
     )  # a collective waiting longer than this (a peer died) fails the rank with an error
+    # distributed=deepspeed: the ZeRO stage (0: DeepSpeed's data parallelism; 1: optimizer state partitioned over
+    # the ranks; 2: gradients too; 3, parameters too, is refused), and ZeRO's communication settings
+    zero_stage: int = ranged(0, Interval(ge=0, le=3))
+    overlap_comm: bool = False  # ZeRO: reduce gradients while the backward pass runs
+    reduce_bucket_size: int = ranged(500_000_000, Ge(1))  # ZeRO: elements reduced at a time
 
 
 class OrtLogLevel(Enum):

@@ -7,6 +7,7 @@ check (ortflow/accel/<mode>.py: problems); this module knows the wrappers, not t
 """
 
 import gc
+import importlib.util
 import os
 import time
 from collections.abc import Callable
@@ -24,8 +25,9 @@ from ortflow.errors import OrtflowError
 
 T = TypeVar("T")
 
-WRAPPERS = ("accel", "ddp", "dp")
-MULTI_PROCESS = ("ddp",)  # wrappers that run one process per replica (and need torchrun)
+WRAPPERS = ("accel", "ddp", "deepspeed", "dp")
+MULTI_PROCESS = ("ddp", "deepspeed")  # wrappers that run one process per replica (and need torchrun)
+ZERO_STAGES = (0, 1, 2)  # distributed=deepspeed's ZeRO stages on offer (3 partitions the parameters themselves)
 BACKENDS = ("gloo", "nccl", "mpi")
 
 
@@ -60,7 +62,10 @@ def problems(cfg: DistributedConfig) -> list[str]:
     """Everything wrong with the wrapper order and launch settings, each naming the key and the fix."""
     found = []
     if cfg.name not in ("none", *MULTI_PROCESS):
-        found.append(f"distributed.name={cfg.name!r} is not one of {('none', *MULTI_PROCESS)}; choose distributed=ddp.")
+        found.append(
+            f"distributed.name={cfg.name!r} is not one of {('none', *MULTI_PROCESS)}; choose distributed=ddp or "
+            "distributed=deepspeed."
+        )
     wrappers = list(cfg.wrappers)
     unknown = [w for w in wrappers if w not in WRAPPERS]
     if unknown:
@@ -70,6 +75,11 @@ def problems(cfg: DistributedConfig) -> list[str]:
     multi = [w for w in wrappers if w in MULTI_PROCESS]
     if len(set(multi)) < len(multi):
         found.append(f"distributed.wrappers={wrappers}: name each multi-process wrapper once.")
+    elif len(multi) > 1:
+        found.append(
+            f"distributed.wrappers={wrappers} has both {multi}: each replicates the model over the processes and "
+            "reduces its gradients; choose one (distributed=ddp or distributed=deepspeed)."
+        )
     if cfg.name != "none" and cfg.name not in wrappers:
         found.append(f"distributed={cfg.name} needs {cfg.name} in distributed.wrappers (e.g. [accel,{cfg.name}]).")
     if cfg.name == "none" and multi:
@@ -86,12 +96,45 @@ def problems(cfg: DistributedConfig) -> list[str]:
     if processes(cfg) > 1 and not multi:
         found.append(
             f"{processes(cfg)} processes (distributed.nproc_per_node x nnodes) need a multi-process wrapper; use "
-            "distributed=ddp."
+            "distributed=ddp or distributed=deepspeed."
         )
+    if "deepspeed" in wrappers:
+        found += _deepspeed_problems(cfg, wrappers)
     if cfg.backend not in BACKENDS:
         found.append(f"distributed.backend={cfg.backend!r} is not one of {BACKENDS}.")
     elif cfg.backend == "nccl" and not torch.cuda.is_available():
         found.append("distributed.backend=nccl needs CUDA GPUs; use distributed.backend=gloo on CPU.")
+    return found
+
+
+def _deepspeed_problems(cfg: DistributedConfig, wrappers: list[str]) -> list[str]:
+    """What distributed=deepspeed cannot run: DeepSpeed not installed, a ZeRO stage not on offer, DeepSpeed anywhere
+    but outermost (it takes the optimizer as well as the model)."""
+    found = []
+    if wrappers[-1] != "deepspeed":
+        found.append(
+            f"distributed.wrappers={wrappers}: DeepSpeed's engine takes the model and its optimizer, so it is the "
+            "outermost wrapper; use distributed.wrappers=[accel,deepspeed]."
+        )
+    if importlib.util.find_spec("deepspeed") is None:
+        found.append(
+            "distributed=deepspeed needs DeepSpeed, which is not installed: pip install 'ortflow[deepspeed]' (an "
+            "optional extra: ORTModule imports DeepSpeed whenever it is installed, which costs every ORTModule start "
+            "about a second)."
+        )
+    if processes(cfg) == 1:
+        found.append(
+            "distributed=deepspeed with one process (distributed.nproc_per_node x nnodes = 1): DeepSpeed's engine "
+            "replicates the model over processes and partitions its state among them; set "
+            "distributed.nproc_per_node=2 or more, or train one process with distributed=none."
+        )
+    if cfg.zero_stage not in ZERO_STAGES:
+        found.append(
+            f"distributed.zero_stage={cfg.zero_stage}: ZeRO-3 partitions the parameters themselves, so the model "
+            "ortflow checkpoints, evaluates and exports would hold no weights outside DeepSpeed's gather, and around "
+            "ORTModule it fails in ORT's export (ORT's ZeRO-3 support needs a DeepSpeed function removed in 0.13.2; "
+            f"the CPU needs 0.14.1 or later). Choose distributed.zero_stage from {list(ZERO_STAGES)}."
+        )
     return found
 
 
@@ -147,6 +190,8 @@ def wrapper(cfg: DistributedConfig, world: World) -> Callable[[nn.Module], nn.Mo
                 module = nn.parallel.DistributedDataParallel(module)
             elif name == "dp":
                 module = nn.DataParallel(module)
+            # deepspeed: DeepSpeed's engine takes the optimizer too; it wraps the module where the optimizer is built
+            # (ortflow/step/deepspeed.py, through EngineContext.steps)
         return module
 
     return wrap

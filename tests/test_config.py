@@ -1,5 +1,6 @@
 """Every config option and recipe composes and validates; bad configs stop before training."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,10 @@ def test_every_group_option_composes(override):
     cfg = make_cfg(override, *extra.get(group, []), *extra.get(override, []))
     assert cfg[group] is not None
     if not (group == "scheduler" and cfg.scheduler.warmup_steps >= cfg.trainer.max_steps):
-        assert problems(cfg) == []
+        found = problems(cfg)
+        if override == "distributed=deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            found = [p for p in found if "pip install 'ortflow[deepspeed]'" not in p]  # an optional extra
+        assert found == []
 
 
 @pytest.mark.parametrize("search", sorted(p.stem for p in (config_dir() / "hparams_search").glob("*.yaml")))

@@ -2,6 +2,7 @@
 by ortflow, or by hand), 2 ranks x batch B == 1 process x batch 2B, replicas in sync, ORT on every rank, a dead rank
 ends the run, two "nodes" on loopback, and sweeps of DDP jobs."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -47,16 +48,33 @@ def problems(*overrides: str) -> list[str]:
         (["accel=ortmodule", "distributed.wrappers=[accel,dp]"], "Use distributed=ddp"),
         (["accel=ortmodule", "distributed=ddp", "distributed.wrappers=[ddp,accel]"], "innermost"),
         (["accel=artifacts", "distributed=ddp"], "no data parallelism"),
-        (["distributed.wrappers=[accel,deepspeed]"], "unknown ['deepspeed']"),
+        (["distributed.wrappers=[accel,horovod]"], "unknown ['horovod']"),
         (["distributed.nproc_per_node=2"], "need a multi-process wrapper"),
         (["distributed=ddp", "distributed.wrappers=[accel]"], "needs ddp in distributed.wrappers"),
         (["distributed=ddp", "distributed.backend=nccl"], "needs CUDA GPUs"),
         (["distributed=ddp", "distributed.nnodes=2", "distributed.node_rank=2"], "distributed.node_rank=2"),
+        # distributed=deepspeed (tests/deepspeed/test_deepspeed.py trains with it)
+        (["accel=ortmodule", "distributed=deepspeed", "distributed.zero_stage=3"], "ZeRO-3 partitions the parameters"),
+        (["distributed=deepspeed", "distributed.wrappers=[deepspeed,accel]"], "the outermost wrapper"),
+        (["accel=ortmodule", "distributed=deepspeed", "distributed.wrappers=[deepspeed,accel]"], "inside ORTModule"),
+        (["distributed=deepspeed", "distributed.wrappers=[accel,ddp,deepspeed]"], "choose one"),
+        (["accel=artifacts", "distributed=deepspeed"], "DeepSpeed steps a torch optimizer"),
+        (["accel=compile", "distributed=deepspeed"], "accel=compile with distributed=deepspeed is not offered"),
+        (["distributed=deepspeed", "distributed.nproc_per_node=1"], "with one process"),
     ],
 )
 def test_wrapper_order_and_launch_settings_are_checked(overrides, says):
     found = problems(*overrides)
     assert any(says in p for p in found), found
+
+
+def test_deepspeed_refuses_accumulation_and_says_how_to_install_it():
+    from ortflow.validate import problems as all_problems
+
+    found = all_problems(make_cfg("distributed=deepspeed", "trainer.accumulate_grad_batches=2"))
+    assert any("trainer.accumulate_grad_batches=2 with distributed=deepspeed" in p for p in found), found
+    if importlib.util.find_spec("deepspeed") is None:  # the default venv: DeepSpeed is an optional extra
+        assert any("pip install 'ortflow[deepspeed]'" in p for p in found), found
 
 
 def test_the_shipped_orders_are_accepted():

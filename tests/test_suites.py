@@ -24,6 +24,6 @@ def test_a_missing_tool_skips_in_the_fast_tier_and_fails_in_the_phases_that_need
 
 def test_the_device_and_cluster_phases_require_their_tools():
     recipes = (REPO / "Makefile").read_text()
-    for target in ("test-device:", "test-cluster:"):
+    for target in ("test-device:", "test-cluster:", "test-deepspeed:"):
         recipe = recipes.split(target, 1)[1].split("\n\n", 1)[0]
         assert "ORTFLOW_TESTS_REQUIRE_TOOLS=1" in recipe, target

@@ -73,9 +73,13 @@ def problems(cfg: DictConfig) -> list[str]:
         )
     multi = [w for w in cfg.distributed.wrappers if w in MULTI_PROCESS]
     if multi:
+        steps = ""
+        if multi[0] == "deepspeed":
+            steps = " (and DeepSpeed steps a torch optimizer, where this engine's is an ORT graph)"
         found.append(
             f"accel=artifacts with {multi[0]}: ONNX Runtime's training API (artifacts) has no data parallelism (no "
-            "gradient all-reduce between processes). Use accel=ortmodule or accel=none with distributed=ddp."
+            f"gradient all-reduce between processes){steps}. Use accel=ortmodule or accel=none with "
+            f"distributed={multi[0]}."
         )
     return found
 

@@ -27,6 +27,7 @@ from ortflow.accel.auto_decision import (
 from ortflow.accel.engine import EngineContext
 from ortflow.errors import OrtflowError
 from ortflow.model import hooks
+from ortflow.step.steps import TorchSteps
 
 WARMUP_STEPS = 2  # untimed steps after the first: the first bf16 steps were slower than the rest (oneDNN's kernels)
 
@@ -65,6 +66,7 @@ def _built(ctx: EngineContext, name: str, precision: str, settings: dict[str, An
             onnx_dir=Path(tmp),
             wrap=lambda module: module,
             reduce_loss=None,
+            steps=TorchSteps,  # rank 0 alone: no DeepSpeed engine, whose start is a collective
             precision=precision,
         )
         engine = None

@@ -86,6 +86,13 @@ def problems(cfg: DictConfig) -> list[str]:
             "(g++ or clang++ on PATH, or $CXX), and none was found. Install one (Debian: apt-get install g++) or "
             "train with accel=none."
         )
+    if "deepspeed" in cfg.distributed.wrappers:
+        found.append(
+            "accel=compile with distributed=deepspeed is not offered: DeepSpeed's engine would wrap the compiled "
+            "module and run its own gradient hooks and partitioned step around it, which ortflow has not verified "
+            "against the eager run. Use accel=none or accel=ortmodule with distributed=deepspeed, or accel=compile "
+            "with distributed=ddp."
+        )
     return found
 
 

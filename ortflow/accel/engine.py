@@ -14,6 +14,7 @@ from ortflow.errors import OrtflowError
 from ortflow.model import hooks
 from ortflow.step.batch import Inputs, Layout, layout_of, pad_rows
 from ortflow.step.loss import CrossEntropy, EvalResult, Loss
+from ortflow.step.steps import StepsFactory, TorchSteps
 
 
 def _no_wrappers(module: nn.Module) -> nn.Module:
@@ -53,6 +54,9 @@ class EngineContext:
     wrap: Callable[[nn.Module], nn.Module] = _no_wrappers
     reduce_loss: Callable[[float], float] | None = None
     accumulate: int = 1
+    # The optimizer side of an eager engine, from (module, optim, grad_clip): torch.optim (TorchSteps), or DeepSpeed's
+    # engine that takes module and optimizer together (distributed=deepspeed: ortflow/step/deepspeed.py).
+    steps: StepsFactory = TorchSteps
     precision: str = FP32
     config: Any = None  # the whole run config (accel=auto reads the other engines' checks from it)
     resumed_choice: dict[str, Any] | None = None  # accel=auto's choice recorded in the checkpoint being resumed
@@ -94,6 +98,8 @@ class Engine(Protocol):
     #   train_micro(micro: list[(inputs, targets)]) -> float: one optimizer step over N micro-batches (the mean loss)
     # Optional: last_grad_norm: float | None, the global gradient norm of the last step before clipping (NaN/inf: the
     # step was not applied).
+    # Optional: save_shards(directory: Path) -> None, called on every rank before rank 0 writes a checkpoint: state a
+    # rank keeps for itself (DeepSpeed's ZeRO partitions), which its optimizer_state() then names by folder.
 
     def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
         """Loss and metric sums on one batch (Loss.sums), in eval mode, without touching the parameters."""

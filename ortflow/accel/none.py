@@ -5,6 +5,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from ortflow.config import BF16, OptimConfig
 from ortflow.model import hooks, state_dict
 from ortflow.step.batch import Inputs, Layout
 from ortflow.step.loss import EvalResult, Loss
-from ortflow.step.optim import build_torch_optimizer
+from ortflow.step.steps import StepsFactory, TorchSteps
 from ortflow.step.with_loss import WithLoss
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,12 @@ def build(ctx: EngineContext) -> "EagerEngine":
     """The eager engine around `ctx.model` (with ctx's distributed wrappers around it)."""
     ctx.refuse_unrun(NAME, RUNS_IN_STEP)  # eager PyTorch runs every hook: nothing is refused
     module = ctx.wrap(WithLoss(ctx.model, ctx.loss, ctx.layout, autocast=ctx.precision == BF16))
-    return EagerEngine(module, ctx.model, ctx.loss, ctx.layout, ctx.optim, ctx.grad_clip, ctx.reduce_loss)
+    return EagerEngine(module, ctx.model, ctx.loss, ctx.layout, ctx.optim, ctx.grad_clip, ctx.reduce_loss, ctx.steps)
 
 
 class EagerEngine:
-    """Runs `module` (a WithLoss, possibly wrapped by ORTModule) with torch autograd and torch.optim."""
+    """Runs `module` (a WithLoss, possibly wrapped by ORTModule) with torch autograd and its optimizer side
+    (torch.optim, or DeepSpeed's engine under distributed=deepspeed: ortflow/step/steps.py)."""
 
     name = NAME
 
@@ -70,6 +72,7 @@ class EagerEngine:
         optim: OptimConfig,
         grad_clip: float | None,
         reduce_loss: Callable[[float], float] | None = None,
+        steps: StepsFactory = TorchSteps,
     ) -> None:
         """
         Args:
@@ -81,16 +84,25 @@ class EagerEngine:
             grad_clip: max global grad norm, or None for no clipping.
             reduce_loss: turns this process's loss into the global one (the mean over ranks) before the step, so
                 that every rank takes the same decision on a non-finite loss; None for one process.
+            steps: builds the optimizer side from (module, optim, grad_clip) (EngineContext.steps).
         """
-        self.module = module
+        self.steps = steps(module, optim, grad_clip)
+        self.module = self.steps.module
         self.model = model
         self.loss = loss
         self.layout = layout
-        # Frozen parameters (model.freeze, LoRA's base weights) are not the optimizer's: no state, no weight decay.
-        self.optimizer = build_torch_optimizer([p for p in module.parameters() if p.requires_grad], optim)
         self.grad_clip = grad_clip
         self.reduce_loss = reduce_loss
         self.last_grad_norm: float | None = None  # the global gradient norm of the last step, before clipping
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer the step applies (ortflow-check reads the gradients through it, before its step)."""
+        return self.steps.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: Any) -> None:
+        self.steps.optimizer = optimizer
 
     def train_step(self, inputs: Inputs, targets: torch.Tensor) -> float:
         return self.train_micro([(inputs, targets)])
@@ -107,15 +119,11 @@ class EagerEngine:
             value = loss.item() if self.reduce_loss is None else self.reduce_loss(loss.item())
             losses.append(value)
             if not math.isfinite(value):
-                self.optimizer.zero_grad(set_to_none=True)
+                self.steps.zero_grad()
                 self.last_grad_norm = None
                 return value  # no update: the weights stay the last good ones
-            (loss / len(micro)).backward()
-        clip = self.grad_clip if self.grad_clip is not None else math.inf
-        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip))
-        if math.isfinite(self.last_grad_norm):  # (with DDP the norm is of the all-reduced gradients: every rank agrees)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)  # non-finite gradients: dropped, nothing applied
+            self.steps.backward(loss / len(micro))
+        self.last_grad_norm = self.steps.step()
         return sum(losses) / len(losses)
 
     @torch.no_grad()
@@ -132,13 +140,14 @@ class EagerEngine:
         return state_dict.copied(self.model)  # with the state_dict's metadata (module versions)
 
     def optimizer_state(self) -> dict[str, Any]:
-        return {"format": "torch", "state": self.optimizer.state_dict()}
+        return self.steps.state()
 
     def load_optimizer_state(self, state: dict[str, Any]) -> bool:
-        if state.get("format") != "torch":
-            return False
-        self.optimizer.load_state_dict(state["state"])
-        return True
+        return self.steps.load(state)
+
+    def save_shards(self, directory: Path) -> None:
+        """The state each rank keeps for itself (DeepSpeed's ZeRO partitions), on every rank before a checkpoint."""
+        self.steps.save_shards(directory)
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.name, "executed_by": "pytorch"}

@@ -161,7 +161,7 @@ class ORTModuleEngine:
                 kept_by = batchnorm.CountedAfterForward
             trained = kept_by(self.module, self.norms, lambda: self.runs.forward)
         self.inner = EagerEngine(
-            ctx.wrap(trained), ctx.model, ctx.loss, flat, ctx.optim, ctx.grad_clip, ctx.reduce_loss
+            ctx.wrap(trained), ctx.model, ctx.loss, flat, ctx.optim, ctx.grad_clip, ctx.reduce_loss, ctx.steps
         )
         self.batch_size = ctx.batch_size  # the shape ORT's graphs are exported for
         self.bf16 = ctx.precision == BF16
@@ -271,6 +271,9 @@ class ORTModuleEngine:
 
     def load_optimizer_state(self, state: dict[str, Any]) -> bool:
         return self.inner.load_optimizer_state(state)
+
+    def save_shards(self, directory: Path) -> None:
+        self.inner.save_shards(directory)
 
     def _graph_portable(self) -> bool | None:
         """Whether ORTModule's training graph holds only operators ORT runs without torch (None before it is built)."""

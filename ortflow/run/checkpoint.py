@@ -11,6 +11,7 @@ import hashlib
 import logging
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,13 @@ def prune(directory: Path, keep: int | None) -> None:
         return
     for _, path in step_checkpoints(directory)[keep:]:
         path.unlink(missing_ok=True)
+        shutil.rmtree(shards_path(path), ignore_errors=True)
+
+
+def shards_path(step_file: Path) -> Path:
+    """The folder beside a step checkpoint holding the state each rank keeps for itself (DeepSpeed's ZeRO
+    partitions, written by every rank before rank 0 writes the step file; absent for the other wrappers)."""
+    return step_file.with_suffix(".shards")
 
 
 def load(path: Path) -> dict[str, Any]:

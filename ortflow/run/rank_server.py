@@ -91,11 +91,12 @@ def rank_environ(command: dict[str, str]) -> dict[str, str]:
 
 
 def wanted(args: list[str]) -> bool:
-    """Whether the command line `ortflow ARGS` asks for ranks this command starts (distributed=ddp, not under a
-    torchrun started by hand): a guess made before the config is composed, to start the server early. A wrong guess
-    (distributed.nproc_per_node=1) leaves a server idle; a missed one (ddp set by a recipe) starts it later."""
+    """Whether the command line `ortflow ARGS` asks for ranks this command starts (distributed=ddp or deepspeed,
+    not under a torchrun started by hand): a guess made before the config is composed, to start the server early. A
+    wrong guess (distributed.nproc_per_node=1) leaves a server idle; a missed one (ddp set by a recipe) starts it
+    later."""
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-    return not under_torchrun and "distributed=ddp" in args
+    return not under_torchrun and bool({"distributed=ddp", "distributed=deepspeed"} & set(args))
 
 
 def start(preload: list[str]) -> None:

@@ -275,7 +275,10 @@ class RunDir:
         """Continue from the checkpoint `source` (its path and payload): its optimizer state into `engine`, its data
         position into `batches`, its RNG states, and what was resumed noted in the record; returns its loop state."""
         path, payload = source
-        restored = engine.load_optimizer_state(payload["optimizer"])
+        optimizer = payload["optimizer"]
+        if optimizer.get("shards"):  # each rank's own state, in a folder beside the step file (distributed=deepspeed)
+            optimizer = {**optimizer, "shards": str(path.parent / optimizer["shards"])}
+        restored = engine.load_optimizer_state(optimizer)
         if not restored:
             log.warning(
                 "checkpoint %s was written by accel=%s: its weights are loaded, but its optimizer state is kept in "
@@ -309,6 +312,8 @@ class RunDir:
         """The loop's checkpoint callback: the run's full state to checkpoints/step-NNNNNNNN.pt (rank 0 only; the
         other ranks hold the same state), pruned to the newest `keep`. Returns the checkpoint's path."""
         path = checkpoint.step_path(self.checkpoints, state.step)
+        if (save_shards := getattr(self._engine, "save_shards", None)) is not None:
+            save_shards(checkpoint.shards_path(path))  # on every rank: the state each keeps for itself, if any
         if not self.writes:
             return str(path)
         assert self._engine is not None and self._batches is not None, "save() before start()"

@@ -4,6 +4,7 @@ The runner never names an accel mode: the engine comes from `accel._target_` (or
 EngineContext; the run dir (checkpoints, run.json, resume) belongs to one RunDir.
 """
 
+import dataclasses
 import logging
 import traceback
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from ortflow.run.rundir import RunDir
 from ortflow.run.seeding import seed_everything
 from ortflow.run.signals import Interrupted, Preempted, interrupt_on_signals
 from ortflow.run.trainer import Feed, Loop, LoopSettings, Ranks, fast_dev_run
+from ortflow.step import deepspeed as deepspeed_steps
 from ortflow.step import loss
 from ortflow.step.batch import Inputs, split_batch
 from ortflow.validate import validate
@@ -157,9 +159,10 @@ def engine_context(
     resumed_choice: dict[str, Any] | None = None,
 ) -> EngineContext:
     """What every engine is built from: the model, an example batch, the optim/clip/debug settings, where to write
-    ONNX files, and the distributed wrappers (DDP) to put outside the engine's own."""
+    ONNX files, the distributed wrappers (DDP) to put outside the engine's own, and the optimizer side (DeepSpeed's
+    engine under distributed=deepspeed)."""
     world = world or World()
-    return EngineContext(
+    ctx = EngineContext(
         model=model,
         example=example_batch(data.train),
         loss=loss.build(cfg.loss),
@@ -174,6 +177,9 @@ def engine_context(
         config=cfg,
         resumed_choice=resumed_choice,
     )
+    if "deepspeed" in cfg.distributed.wrappers and world.size > 1:  # DeepSpeed takes the module and the optimizer
+        ctx = dataclasses.replace(ctx, steps=deepspeed_steps.factory(cfg.distributed, ctx.batch_size))
+    return ctx
 
 
 def build_engine(

@@ -9,17 +9,18 @@ class InfiniteGradient(nn.Module):
     the loss is log(vocab)), but the gate's gradient is d sqrt(g)/dg at 0 = inf, so the global gradient norm is not
     finite. An update applied with it would make every weight NaN."""
 
-    def __init__(self, vocab_size: int, width: int) -> None:
+    def __init__(self, vocab_size: int, width: int, gate_shape: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))
-        self.gate = nn.Parameter(torch.zeros(()))
+        self.gate = nn.Parameter(torch.zeros(gate_shape))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.net(tokens) * torch.sqrt(self.gate)
 
 
-def build_infinite_gradient(vocab_size: int, width: int) -> nn.Module:
-    return InfiniteGradient(vocab_size, width)
+def build_infinite_gradient(vocab_size: int, width: int, gate_shape: tuple[int, ...] = ()) -> nn.Module:
+    """`+model.gate_shape=[1]`: the gate as a one-element vector (DeepSpeed cannot broadcast a 0-d parameter)."""
+    return InfiniteGradient(vocab_size, width, tuple(gate_shape))
 
 
 class NaNInEval(nn.Module):

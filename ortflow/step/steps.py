@@ -1,0 +1,84 @@
+"""How the eager engines (accel=none, ortmodule, compile) apply one optimizer step: backward, the global gradient
+norm and clipping, the optimizer's step, and the optimizer state for checkpoints. `TorchSteps` is torch's own;
+distributed=deepspeed hands DeepSpeed's engine the module and the optimizer instead (ortflow/step/deepspeed.py).
+An engine takes its steps from `EngineContext.steps`, so a wrapper that owns the optimizer fits without the engine
+or the loop knowing which it is."""
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ortflow.config import OptimConfig
+from ortflow.step.optim import build_torch_optimizer
+
+
+class Steps(Protocol):
+    """What an eager engine asks of its optimizer side."""
+
+    module: nn.Module  # what a forward calls (the module given, or the wrapper that owns it)
+    optimizer: Any  # what set_lr writes the learning rate into (param_groups)
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self) -> float:
+        """The global gradient norm before clipping; clipped to grad_clip and applied when finite, else nothing
+        applied. The gradients are cleared either way."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+    def state(self) -> dict[str, Any]:
+        """The optimizer state, tagged {"format": ...}, for a checkpoint."""
+        ...
+
+    def load(self, state: dict[str, Any]) -> bool:
+        """Restore `state()`; False if it is another format (the optimizer then starts fresh)."""
+        ...
+
+    def save_shards(self, directory: Path) -> None:
+        """On every rank, before rank 0 writes a checkpoint: the state each rank keeps for itself (DeepSpeed's ZeRO
+        partitions), into `directory`. Nothing for torch's optimizer, whose state every rank holds whole."""
+        ...
+
+
+StepsFactory = Callable[[nn.Module, OptimConfig, "float | None"], Steps]
+
+
+class TorchSteps:
+    """torch autograd and torch.optim over the module's trainable parameters (frozen ones, LoRA's base weights, get
+    no optimizer state and no weight decay)."""
+
+    def __init__(self, module: nn.Module, optim: OptimConfig, grad_clip: float | None) -> None:
+        self.module = module
+        self.optimizer = build_torch_optimizer([p for p in module.parameters() if p.requires_grad], optim)
+        self.grad_clip = grad_clip
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        clip = self.grad_clip if self.grad_clip is not None else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip))
+        if math.isfinite(norm):  # (with DDP the norm is of the all-reduced gradients: every rank agrees)
+            self.optimizer.step()
+        self.zero_grad()  # non-finite gradients: dropped, nothing applied
+        return norm
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state(self) -> dict[str, Any]:
+        return {"format": "torch", "state": self.optimizer.state_dict()}
+
+    def load(self, state: dict[str, Any]) -> bool:
+        if state.get("format") != "torch":
+            return False
+        self.optimizer.load_state_dict(state["state"])
+        return True
+
+    def save_shards(self, directory: Path) -> None:
+        return None
