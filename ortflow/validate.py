@@ -63,7 +63,6 @@ def problems(cfg: DictConfig) -> list[str]:
     found += accel.problems(cfg)
     found += _metric_problems(cfg)
     found += distributed.problems(cfg.distributed)
-    found += _deepspeed_trainer_problems(cfg)
     found += _trainer_problems(cfg.trainer)
     found += _model_data_problems(cfg)
     found += _export_problems(cfg)
@@ -115,19 +114,6 @@ def _trainer_problems(trainer: DictConfig) -> list[str]:
     if trainer.resume is not None and not trainer.resume.strip():
         found.append("trainer.resume is empty; use trainer.resume=auto, a checkpoint path, or leave it out.")
     return found
-
-
-def _deepspeed_trainer_problems(cfg: DictConfig) -> list[str]:
-    """What distributed=deepspeed does not take of the trainer's settings yet: accumulation."""
-    if "deepspeed" not in cfg.distributed.wrappers or cfg.trainer.accumulate_grad_batches == 1:
-        return []
-    return [
-        f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches} with distributed=deepspeed: "
-        "ortflow runs one backward per optimizer step under DeepSpeed (ZeRO 1 and 2 keep only the last backward's "
-        "gradients when several come before a step at DeepSpeed's accumulation of 1, and DeepSpeed's own "
-        "accumulation cannot skip a step ortflow's non-finite guard drops). Raise data.batch_size instead, or use "
-        "distributed=ddp."
-    ]
 
 
 def _model_data_problems(cfg: DictConfig) -> list[str]:

@@ -118,11 +118,11 @@ class EagerEngine:
             loss = self.module(*self.layout.flatten(inputs), targets)
             value = loss.item() if self.reduce_loss is None else self.reduce_loss(loss.item())
             losses.append(value)
-            if not math.isfinite(value):
+            if not math.isfinite(value) and self.steps.drops_at_nonfinite_loss:
                 self.steps.zero_grad()
                 self.last_grad_norm = None
                 return value  # no update: the weights stay the last good ones
-            self.steps.backward(loss / len(micro))
+            self.steps.backward(loss, len(micro))
         self.last_grad_norm = self.steps.step()
         return sum(losses) / len(losses)
 

@@ -178,7 +178,8 @@ def engine_context(
         resumed_choice=resumed_choice,
     )
     if "deepspeed" in cfg.distributed.wrappers and world.size > 1:  # DeepSpeed takes the module and the optimizer
-        ctx = dataclasses.replace(ctx, steps=deepspeed_steps.factory(cfg.distributed, ctx.batch_size))
+        steps = deepspeed_steps.factory(cfg.distributed, ctx.batch_size, cfg.trainer.accumulate_grad_batches)
+        ctx = dataclasses.replace(ctx, steps=steps)
     return ctx
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ortflow.config import DistributedConfig, OptimConfig
-from ortflow.errors import CheckpointError, ModelError
+from ortflow.errors import CheckpointError, ModelError, OrtflowError
 from ortflow.paths import ortflow_cache
 from ortflow.step.optim import build_torch_optimizer
 from ortflow.step.steps import StepsFactory
@@ -46,12 +46,13 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-def ds_config(cfg: DistributedConfig, batch_size: int, grad_clip: float | None) -> dict[str, Any]:
-    """DeepSpeed's config for ortflow's settings. One backward per optimizer step (ortflow refuses accumulation
-    under DeepSpeed: ortflow/distributed.py)."""
+def ds_config(cfg: DistributedConfig, batch_size: int, grad_clip: float | None, accumulate: int = 1) -> dict[str, Any]:
+    """DeepSpeed's config for ortflow's settings. trainer.accumulate_grad_batches is DeepSpeed's accumulation under
+    ZeRO (whose partitions keep only the last backward's gradients when several come before a step at an
+    accumulation of 1); at stage 0 the gradients add up in place, as under DDP, and DeepSpeed's stays 1."""
     return {
         "train_micro_batch_size_per_gpu": batch_size,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": accumulate if cfg.zero_stage else 1,
         # Stage 0 clips with torch (as DDP does); ZeRO clips its partitions. Never DeepSpeed's default of 1.0.
         "gradient_clipping": float(grad_clip or 0.0) if cfg.zero_stage else 0.0,
         "zero_optimization": {
@@ -67,11 +68,11 @@ def ds_config(cfg: DistributedConfig, batch_size: int, grad_clip: float | None) 
     }
 
 
-def factory(cfg: DistributedConfig, batch_size: int) -> StepsFactory:
+def factory(cfg: DistributedConfig, batch_size: int, accumulate: int = 1) -> StepsFactory:
     """EngineContext.steps for distributed=deepspeed."""
 
     def make(module: nn.Module, optim: OptimConfig, grad_clip: float | None) -> "DeepSpeedSteps":
-        return DeepSpeedSteps(module, optim, grad_clip, cfg, batch_size)
+        return DeepSpeedSteps(module, optim, grad_clip, cfg, batch_size, accumulate)
 
     return make
 
@@ -96,7 +97,13 @@ class DeepSpeedSteps:
     """DeepSpeed's engine (`deepspeed.initialize`) over `module` and a torch optimizer of its trainable parameters."""
 
     def __init__(
-        self, module: nn.Module, optim: OptimConfig, grad_clip: float | None, cfg: DistributedConfig, batch_size: int
+        self,
+        module: nn.Module,
+        optim: OptimConfig,
+        grad_clip: float | None,
+        cfg: DistributedConfig,
+        batch_size: int,
+        accumulate: int = 1,
     ) -> None:
         _refuse_scalars(module)
         deepspeed = _import_deepspeed()
@@ -104,14 +111,25 @@ class DeepSpeedSteps:
         optimizer = build_torch_optimizer(self.trainable, optim)
         self.stage = cfg.zero_stage
         self.grad_clip = grad_clip
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, config=ds_config(cfg, batch_size, grad_clip)
-        )
+        config = ds_config(cfg, batch_size, grad_clip, accumulate)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         self.module: nn.Module = self.engine
+        self.accumulation = config["gradient_accumulation_steps"]  # DeepSpeed's: ZeRO counts the micro-batches
+        self.drops_at_nonfinite_loss = self.accumulation == 1
         self.shards: str | None = None  # the folder of the last save_shards, by name
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
+    def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        if self.accumulation == 1:
+            self.engine.backward(loss / micro_batches)  # stage 0: gradients add up in place, as under DDP
+            return
+        if micro_batches != self.accumulation:
+            raise OrtflowError(
+                f"a step of {micro_batches} micro-batches under DeepSpeed's accumulation of {self.accumulation} "
+                "(trainer.accumulate_grad_batches): a bug in ortflow, please report it."
+            )
+        self.engine.backward(loss)  # DeepSpeed divides by its accumulation
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()  # counts the micro-batch; the boundary's step applies (step())
 
     def step(self) -> float:
         if self.stage == 0:  # whole gradients, all-reduced by DeepSpeed's backward: torch's norm and clipping

@@ -21,8 +21,13 @@ class Steps(Protocol):
 
     module: nn.Module  # what a forward calls (the module given, or the wrapper that owns it)
     optimizer: Any  # what set_lr writes the learning rate into (param_groups)
+    # True: a micro-batch's non-finite loss drops the step at once (the engine returns before its backward). False:
+    # every micro-batch's backward must run (DeepSpeed counts them), and the step skips non-finite gradients itself.
+    drops_at_nonfinite_loss: bool
 
-    def backward(self, loss: torch.Tensor) -> None: ...
+    def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        """One micro-batch's backward, of `micro_batches` before the step (the gradients add up to the mean's)."""
+        ...
 
     def step(self) -> float:
         """The global gradient norm before clipping; clipped to grad_clip and applied when finite, else nothing
@@ -52,13 +57,15 @@ class TorchSteps:
     """torch autograd and torch.optim over the module's trainable parameters (frozen ones, LoRA's base weights, get
     no optimizer state and no weight decay)."""
 
+    drops_at_nonfinite_loss = True
+
     def __init__(self, module: nn.Module, optim: OptimConfig, grad_clip: float | None) -> None:
         self.module = module
         self.optimizer = build_torch_optimizer([p for p in module.parameters() if p.requires_grad], optim)
         self.grad_clip = grad_clip
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        (loss / micro_batches).backward()
 
     def step(self) -> float:
         clip = self.grad_clip if self.grad_clip is not None else math.inf

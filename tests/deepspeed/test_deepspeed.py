@@ -60,6 +60,11 @@ def losses(run_dir: Path) -> list[float]:
     return [p["train/loss"] for p in points if "train/loss" in p]
 
 
+def grad_norms(run_dir: Path) -> list[float]:
+    points = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [p["train/grad_norm"] for p in points if "train/grad_norm" in p]
+
+
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "final.pt", weights_only=True)
 
@@ -140,8 +145,26 @@ def test_a_checkpoint_of_another_world_size_is_refused_naming_both(tmp_path):
     assert "on 4 processes" in result.stderr and "this run has 2" in result.stderr, result.stderr[-3000:]
 
 
-def test_non_finite_gradients_under_zero2_are_skipped_then_stop_the_run_as_under_ddp(tmp_path):
-    skip = ["trainer.on_nonfinite=skip", "trainer.max_skipped_steps=3"]
+def test_accumulation_is_deepspeeds_under_zero_and_ddps_at_stage_0(tmp_path):
+    """trainer.accumulate_grad_batches=2: stage 0 adds the gradients up in place as DDP does (bitwise); ZeRO-2 by
+    DeepSpeed's accumulation: the same gradients reduced in another order (the digits recipe: gradient norms equal
+    to 1e-8, the largest weight 1.5e-4 apart after 30 steps). AdamW hardly sees a gradient's scale, so the gradient
+    norms are what would show a step that kept one micro-batch's gradients, or counted one twice."""
+    args = [*SMALL, "trainer.accumulate_grad_batches=2", "model.dropout=0"]
+    ddp = train(tmp_path, "ddp", *args, "distributed=ddp")
+    reference = weights(ddp)
+    stage0 = weights(train(tmp_path, "zero0", *args, "distributed=deepspeed", "distributed.zero_stage=0"))
+    assert all(torch.equal(stage0[k], reference[k]) for k in reference)
+    zero2 = train(tmp_path, "zero2", *args, "distributed=deepspeed")
+    assert losses(zero2) == pytest.approx(losses(ddp), rel=1e-5)
+    assert grad_norms(zero2) == pytest.approx(grad_norms(ddp), rel=1e-5)
+    got = weights(zero2)
+    assert max(float((got[k] - reference[k]).abs().max()) for k in reference) < 1e-3  # within an lr step
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_non_finite_gradients_under_zero2_are_skipped_then_stop_the_run_as_under_ddp(accumulate, tmp_path):
+    skip = ["trainer.on_nonfinite=skip", "trainer.max_skipped_steps=3", f"trainer.accumulate_grad_batches={accumulate}"]
     said = {}
     for name, wrapper in (("ddp", ["distributed=ddp"]), ("zero2", ["distributed=deepspeed"])):
         result = run_cli(*INF_GRAD, *wrapper, *skip, f"hydra.run.dir={name}", cwd=tmp_path)
