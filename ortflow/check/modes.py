@@ -243,6 +243,13 @@ def _check(
     accept_unjudgeable: bool = False,
 ) -> dict[str, Any]:
     cfg = _compose(overrides, "none")
+    if cfg.distributed.name != "none":
+        raise ConfigError(
+            f"distributed={cfg.distributed.name}: ortflow-check compares the engines in one process, on the same "
+            "batches as eager; a multi-process wrapper (its gradients all-reduced, under DeepSpeed partitioned) is "
+            "not part of what it compares. Drop the distributed override: each wrapper's runs are tested against "
+            "one process's (docs/distributed.md)."
+        )
     precisions = precisions_of(cfg, overrides, precisions)
     seed_everything(cfg.seed)
     data = build_data(cfg)

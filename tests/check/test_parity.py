@@ -290,9 +290,10 @@ def test_an_overridden_precision_is_the_one_checked_in(monkeypatch):
     [
         (["trainer.precision=bf16-mixed"], ("fp32",), "trainer.precision=bf16-mixed is overridden, and --precision"),
         (["trainer.precision=auto"], None, "trainer.precision=auto: ortflow-check compares"),
+        (["distributed=ddp"], None, "distributed=ddp: ortflow-check compares the engines in one process"),
     ],
 )
-def test_a_precision_the_check_cannot_honour_is_refused(overrides, precisions, says, monkeypatch):
+def test_a_setting_the_check_cannot_honour_is_refused(overrides, precisions, says, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     with pytest.raises(ConfigError, match=says):
         check([*MLP, *overrides], 2, ["none"], precisions)
