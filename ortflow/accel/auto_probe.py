@@ -96,6 +96,17 @@ def _not_as_it_should(name: str, engine: Any, loss: float) -> str | None:
     return None
 
 
+def warm_up(ctx: EngineContext, name: str, precision: str, settings: dict[str, Any]) -> None:
+    """One untimed step of engine `name` on a copy of the model, before any probe: what the process pays once (the
+    first autograd pass, kernels' and thread pools' start-up) then lands in no probe's start-up, which
+    `auto_decision.weigh` compares between engines. A failure is left to the probe to report."""
+    with (
+        contextlib.suppress(OrtflowError, RuntimeError, ValueError),
+        _built(ctx, name, precision, settings) as (engine, trial),
+    ):
+        _step(engine, trial)
+
+
 def probe_one(ctx: EngineContext, name: str, precision: str, settings: dict[str, Any], steps: int) -> Probe:
     """Build engine `name` on a copy of the model and time `steps` steps after an untimed first one and warm-up."""
     result = Probe(name, precision)

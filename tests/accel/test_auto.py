@@ -164,6 +164,27 @@ def measured(monkeypatch):
     return calls, results
 
 
+def test_eager_is_warmed_before_its_probe_so_that_its_start_up_is_its_own(monkeypatch, tmp_path):
+    """auto_decision.weigh compares the engines' start-up (build and first step) for a short run; eager, probed first,
+    carried the process's own first-use costs in it (1.76 s against ORTModule's build and export, 1.50 s)."""
+    order: list[str] = []
+    monkeypatch.setattr(auto, "warm_up", lambda ctx, name, precision, settings: order.append(f"warm {name}"))
+
+    def probe_one(ctx, name, precision, settings, steps):
+        order.append(name)
+        return probe(name, 10.0, precision)
+
+    monkeypatch.setattr(auto, "probe_one", probe_one)
+    cfg = make_cfg(*LM, *AUTO)
+    ctx = engine_context(cfg, build_model(cfg, data := build_data(cfg)), data, tmp_path)
+    settings = {"cache": False, "probe_steps": 1, "budget_s": 0.0}
+    auto.decide(ctx, settings, ["none", "ortmodule"], ["fp32"])
+    assert order == ["warm none", "none", "ortmodule"]
+    order.clear()
+    auto.decide(ctx, settings, ["ortmodule", "artifacts"], ["fp32"])
+    assert order == ["ortmodule", "artifacts"]  # no eager probe, nothing warmed: an ORT build is its own start-up
+
+
 def test_failures_are_never_cached_and_a_cached_decision_spares_the_probe(measured, tmp_path):
     calls, results = measured
     cfg = make_cfg(*LM, *AUTO)
