@@ -17,19 +17,14 @@ import torch
 
 from ortflow import accel, distributed
 from ortflow.run import checkpoint
-from tests.conftest import make_cfg, run_cli
+from tests.conftest import TINY_TRANSFORMER, make_cfg, run_cli
 from tests.helpers.clusters import require
 
 pytestmark = pytest.mark.deepspeed
 
 # A transformer at its smallest, dropout on (its masks must follow the data order on every rank), 2 ranks.
 SMALL = [
-    "model.d_model=32",
-    "model.nhead=2",
-    "model.num_layers=1",
-    "model.dim_feedforward=64",
-    "data.block_size=16",
-    "data.batch_size=8",
+    *TINY_TRANSFORMER,
     "trainer.max_steps=12",
     "trainer.eval_every=6",
     "trainer.eval_batches=2",
