@@ -91,7 +91,6 @@ class EagerEngine:
         self.model = model
         self.loss = loss
         self.layout = layout
-        self.grad_clip = grad_clip
         self.reduce_loss = reduce_loss
         self.last_grad_norm: float | None = None  # the global gradient norm of the last step, before clipping
 

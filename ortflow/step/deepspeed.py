@@ -28,7 +28,7 @@ from ortflow.config import DistributedConfig, OptimConfig
 from ortflow.errors import CheckpointError, ModelError, OrtflowError
 from ortflow.paths import ortflow_cache
 from ortflow.step.optim import build_torch_optimizer
-from ortflow.step.steps import StepsFactory
+from ortflow.step.steps import StepsFactory, clip_and_apply
 
 FORMAT = "deepspeed"
 _TAG = "zero"  # DeepSpeed's tag inside a checkpoint's shards folder
@@ -133,10 +133,7 @@ class DeepSpeedSteps:
 
     def step(self) -> float:
         if self.stage == 0:  # whole gradients, all-reduced by DeepSpeed's backward: torch's norm and clipping
-            clip = self.grad_clip if self.grad_clip is not None else math.inf
-            norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, clip))
-            if math.isfinite(norm):
-                self.engine.step()
+            norm = clip_and_apply(self.trainable, self.grad_clip, self.engine.step)
             self.zero_grad()
             return norm
         self.engine.step()  # ZeRO: DeepSpeed's norm and clipping; a non-finite norm skips the step (norm inf)

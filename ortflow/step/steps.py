@@ -5,7 +5,7 @@ An engine takes its steps from `EngineContext.steps`, so a wrapper that owns the
 or the loop knowing which it is."""
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,6 +53,17 @@ class Steps(Protocol):
 StepsFactory = Callable[[nn.Module, OptimConfig, "float | None"], Steps]
 
 
+def clip_and_apply(parameters: Iterable[nn.Parameter], grad_clip: float | None, apply: Callable[[], Any]) -> float:
+    """torch's global gradient norm of `parameters` (returned, before clipping), the gradients clipped to `grad_clip`
+    (None: not clipped), then `apply()` (the optimizer's step) only where the norm is finite: a step of non-finite
+    gradients applies nothing. With DDP, or DeepSpeed's stage 0, the gradients are all-reduced: every rank agrees."""
+    clip = grad_clip if grad_clip is not None else math.inf
+    norm = float(torch.nn.utils.clip_grad_norm_(parameters, clip))
+    if math.isfinite(norm):
+        apply()
+    return norm
+
+
 class TorchSteps:
     """torch autograd and torch.optim over the module's trainable parameters (frozen ones, LoRA's base weights, get
     no optimizer state and no weight decay)."""
@@ -68,10 +79,7 @@ class TorchSteps:
         (loss / micro_batches).backward()
 
     def step(self) -> float:
-        clip = self.grad_clip if self.grad_clip is not None else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip))
-        if math.isfinite(norm):  # (with DDP the norm is of the all-reduced gradients: every rank agrees)
-            self.optimizer.step()
+        norm = clip_and_apply(self.module.parameters(), self.grad_clip, self.optimizer.step)
         self.zero_grad()  # non-finite gradients: dropped, nothing applied
         return norm
 
