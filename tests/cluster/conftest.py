@@ -8,13 +8,11 @@ import os
 
 import pytest
 
+from tests.helpers.clusters import deselect_marked
+
 ENABLED = os.environ.get("ORTFLOW_CLUSTER_TESTS") == "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if ENABLED:
-        return
-    deselected = [item for item in items if item.get_closest_marker("cluster") is not None]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if item.get_closest_marker("cluster") is None]
+    if not ENABLED:
+        deselect_marked(config, items, "cluster")

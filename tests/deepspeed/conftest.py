@@ -9,13 +9,11 @@ import os
 
 import pytest
 
+from tests.helpers.clusters import deselect_marked
+
 ENABLED = os.environ.get("ORTFLOW_DEEPSPEED_TESTS") == "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if ENABLED:
-        return
-    deselected = [item for item in items if item.get_closest_marker("deepspeed") is not None]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if item.get_closest_marker("deepspeed") is None]
+    if not ENABLED:
+        deselect_marked(config, items, "deepspeed")

@@ -12,20 +12,15 @@ import shutil
 
 import pytest
 
-from tests.helpers.clusters import tools_required
+from tests.helpers.clusters import deselect_marked, tools_required
 
 ENABLED = os.environ.get("ORTFLOW_DEVICE_TESTS") == "1"
 BROWSER = "chromium"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if ENABLED:
-        return
-    kept = [item for item in items if item.get_closest_marker("device") is None]
-    deselected = [item for item in items if item.get_closest_marker("device") is not None]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = kept
+    if not ENABLED:
+        deselect_marked(config, items, "device")
 
 
 def require(tool: str, why: str) -> str:

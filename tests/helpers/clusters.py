@@ -28,6 +28,15 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
+def deselect_marked(config: pytest.Config, items: list[pytest.Item], marker: str) -> None:
+    """Deselect the tests carrying `marker` (reported as deselected): a phase's own tests (device, cluster,
+    deepspeed) outside that phase, whatever `-m` a command gives."""
+    deselected = [item for item in items if item.get_closest_marker(marker) is not None]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item.get_closest_marker(marker) is None]
+
+
 def require(ok: bool, reason: str) -> None:
     """Skip (or, under CI, fail) a test whose cluster cannot be started here."""
     if ok:
