@@ -349,10 +349,11 @@ class SlurmCluster:
         return "\n".join(parts)
 
     def start_requeued_now(self, job_id: str, timeout: float = 120) -> None:
-        """SLURM holds a requeued job for about 2 minutes (its begin time); once `job_id` is back in the queue and its
-        last run's step daemons are gone from the node, move that to now, so the test does not wait. A launch that
-        reaches slurmd while one of them is still ending (slow on a loaded machine) fails the job at once ("Job N
-        already running, do not launch second copy"): the hold exists for that, and the test waits for it here."""
+        """SLURM holds a requeued job for about 2 minutes (its begin time); once `job_id` is back in the queue, its
+        last run's step daemons are gone from the node and its revoked credential is seconds old, move that to now,
+        so the test does not wait. A launch sooner fails the job at once ("Job N already running, do not launch
+        second copy" while a step daemon ends; "Job credential revoked" within the revocation's second): the hold
+        exists for these, and the test waits for them here."""
         internal: list[str] = []
 
         def pending_again() -> bool:
@@ -368,6 +369,10 @@ class SlurmCluster:
 
         self._wait(pending_again, f"job {job_id} to be requeued", timeout)
         self._wait(steps_gone, f"job {job_id}'s last run to end on the node", timeout)
+        # slurmd revoked the last run's credential as it ended, and takes a new one made within the same second for
+        # that revoked one (it compares whole seconds): the job is then killed at once ("Killing non-startable batch
+        # JobId=N: Job credential revoked", seen in CI). Two seconds on, the new credential is a later one.
+        time.sleep(2.0)
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=self.env, check=True)
 
     def stop(self) -> None:
