@@ -301,6 +301,11 @@ class CheckpointConfig:
     keep: int | None = ranged(3, Ge(1))  # how many step checkpoints to keep (oldest deleted first); null = keep all
 
 
+class Allocator(Enum):
+    steady = "steady"  # glibc malloc's mmap and trim thresholds fixed (ortflow/allocator.py): faster, steadier steps
+    system = "system"  # glibc's own adaptive thresholds
+
+
 class StopMode(Enum):
     min = "min"  # lower is better (a loss)
     max = "max"  # higher is better (accuracy)
@@ -349,6 +354,7 @@ class TrainerConfig:
     accumulate_grad_batches: int = ranged(1, Interval(ge=1, le=4096))
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     precision: str = FP32  # fp32 | bf16-mixed | auto (PRECISIONS above)
+    allocator: Allocator = Allocator.steady  # steady | system (ortflow/allocator.py)
 
 
 @dataclass

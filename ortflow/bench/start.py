@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ortflow import allocator
 from ortflow.bench.flops import model_flops
 from ortflow.bench.plan import mode_config
 from ortflow.data import Data
@@ -68,6 +69,7 @@ def start_measurement(
     mode = args.mode.partition(":")[0]
     cfg = mode_config(args.mode, args.overrides)
     validate(cfg)
+    allocator.apply(cfg.trainer.allocator)  # as a run of this config would train
     seed_everything(cfg.seed)
     data: Data = build_data(cfg)
     model: torch.nn.Module = build_model(cfg, data)

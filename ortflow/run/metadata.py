@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ortflow import allocator
 from ortflow.run.placement import placement
 
 
@@ -57,6 +58,7 @@ def host() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "thread_pools": thread_pools(),
+        "malloc": allocator.applied(),
         "gpus": gpus,
     }
 

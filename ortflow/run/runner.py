@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ortflow import accel, distributed, machine
+from ortflow import accel, allocator, distributed, machine
 from ortflow.accel.engine import Engine, EngineContext
 from ortflow.config import AUTO, FP32
 from ortflow.data import Data
@@ -309,6 +309,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     _set_up_logging(cfg)
     world = distributed.world_from_env()  # every rank trains; only rank 0 writes files
     cfg = fast_dev_run(cfg)
+    allocator.apply(cfg.trainer.allocator)  # before the first tensor; recorded in run.json's host
     run = RunDir(run_dir, _config_dict(cfg), overrides, cfg.seed, world)
     started = False  # whether anything stop() releases may exist (not after a refused config)
     try:

@@ -55,6 +55,7 @@ def test_run_json_records_command_code_versions_host_seed_and_engine(tmp_path):
     assert len(record["git"]["commit"]) == 40 and record["git"]["dirty"] is True
     assert set(record["versions"]) == {"python", "torch", "onnxruntime-training", "onnx", "hydra"}
     assert record["host"]["cpu_count"] >= 1 and "gpus" in record["host"]
+    assert record["host"]["malloc"]["allocator"] in ("steady", "not glibc malloc: left as it is")
     assert record["seed"] == 7 and record["config"]["seed"] == 7 and record["config"]["data"]["seed"] == 7
     assert record["engine"]["executed_by"] == "onnxruntime"
 
