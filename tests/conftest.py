@@ -47,6 +47,10 @@ if WORKERS > 1:
     THREADS = max(1, (os.cpu_count() or 1) // WORKERS)
     os.environ["OMP_NUM_THREADS"] = str(THREADS)
     torch.set_num_threads(THREADS)
+    # inductor's compile workers too (one per core otherwise, each importing torch while the tests' steps run)
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(THREADS)
+    if "torch._inductor.config" in sys.modules:
+        sys.modules["torch._inductor.config"].compile_threads = THREADS
 
 
 def make_cfg(*overrides: str) -> DictConfig:

@@ -141,10 +141,12 @@ class CompiledEngine(EagerEngine):
     def _compiled(self, what: str, run: Any) -> Any:
         """Run `run()`, proving by the backend's counter that a compiled graph ran; torch.compile's errors (an op or
         construct it cannot trace or compile) are the model's limits on this engine, in one paragraph."""
-        before = self.backend.runs
+        before, graphs = self.backend.runs, self.backend.graphs
         start = time.perf_counter()
         try:
             result = run()
+            if self.backend.graphs != graphs:
+                inductor.stop_compile_workers()  # not beside the training steps that follow
         except inductor.compile_errors() as err:
             if inductor.is_recompile_limit(err):
                 raise ModelError(

@@ -5,6 +5,9 @@ the run. Tiny models: each compiles in a few seconds (inductor's cache makes the
 quicker)."""
 
 import copy
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +29,28 @@ LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") el
 RTOL = 1e-5  # losses against eager's on the same batches; measured <= 3e-7 (inductor's kernels sum in another order)
 
 
+def _compile_workers() -> list[str]:
+    """The command lines of this process's children that are inductor's compile workers (Linux's /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and "compile_worker" in cmdline:
+            found.append(cmdline)
+    return found
+
+
 def test_a_batchnorm_cnn_with_frozen_layers_trains_and_evaluates_as_eager(tmp_path):
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(compile_threads=2):  # workers to end (the tests run with 1 otherwise)
+        _trains_and_evaluates_as_eager(tmp_path)
+
+
+def _trains_and_evaluates_as_eager(tmp_path):
     batches = images()
     model = freeze(conv_bn(), ["0", "1"])  # the first convolution and its BatchNorm
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -47,6 +71,8 @@ def test_a_batchnorm_cnn_with_frozen_layers_trains_and_evaluates_as_eager(tmp_pa
     assert info["executed_by"] == "inductor" and info["compiled_steps"] == len(batches), info
     assert info["compiled_evals"] == 1 and info["compiled_runs"] == len(batches) + 1, info
     assert info["graphs_compiled"] == 2, info  # training and eval: one graph each
+    if sys.platform.startswith("linux"):  # inductor's workers ended after each compilation, not training beside it
+        assert not _compile_workers()
 
 
 def test_bf16_mixed_runs_autocast_inside_the_compiled_graph(tmp_path):

@@ -33,6 +33,21 @@ def use_cache_folder() -> Path:
     return folder
 
 
+def stop_compile_workers() -> None:
+    """End inductor's compile worker processes (torch starts them when it first compiles, one per core).
+
+    Why: on a warm cache the compilation is done long before the workers have finished starting (each imports torch),
+    and their start-up then runs beside the first training steps: the vision recipe's compiled step took 41 ms instead
+    of 20 ms for its first ~25 steps on a 2-core Zen 5, which is what auto's probe and ortflow-bench timed. Ending them
+    waits for that start-up (~2 s there), inside the step that compiled, where the compile time is counted; a later
+    compilation (the evaluation's graph) starts them again."""
+    from torch._inductor import async_compile
+
+    shutdown = getattr(async_compile, "shutdown_compile_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
 def cxx_compiler() -> str | None:
     """The C++ compiler inductor's CPU code generation calls ($CXX, else g++ or clang++ on PATH), or None."""
     given = os.environ.get("CXX")
