@@ -26,8 +26,8 @@ from ortflow.accel.compat import export_warnings, ort, torch_onnx, versions
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.graph import aten_cross_entropy, aten_nodes, batchnorm, bf16_weights, pipeline
 from ortflow.accel.graph import plan as graph_plan
+from ortflow.accel.graph.masks import MaskSampler
 from ortflow.accel.graph.plan import GraphSettings
-from ortflow.accel.graph.rewrites import MaskSampler
 from ortflow.accel.none import debug_problems
 from ortflow.config import OptimConfig, OptimName
 from ortflow.distributed import MULTI_PROCESS

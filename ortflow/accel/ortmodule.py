@@ -27,8 +27,8 @@ from ortflow.accel.compat.extensions import ensure_built
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.graph import batchnorm, bf16_weights, fed_dropout, ortmodule_export, pipeline
 from ortflow.accel.graph import plan as graph_plan
+from ortflow.accel.graph.masks import DropoutMask, MaskSampler, draw_masks
 from ortflow.accel.graph.plan import GraphSettings
-from ortflow.accel.graph.rewrites import DropoutMask, MaskSampler, draw_masks
 from ortflow.accel.none import EagerEngine
 from ortflow.config import BF16, DebugConfig
 from ortflow.distributed import MULTI_PROCESS

@@ -281,7 +281,7 @@ def test_fed_dropout_masks_give_eager_pytorchs_loss_and_gradients(kind, family, 
 
     from ortflow.accel.compat import ortmodule_patches
     from ortflow.accel.graph import fed_dropout
-    from ortflow.accel.graph.rewrites import draw_masks
+    from ortflow.accel.graph.masks import draw_masks
 
     build, sites = DROPOUT_MODELS[family]
     model = build()

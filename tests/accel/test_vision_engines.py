@@ -447,7 +447,7 @@ def test_batchnorm_statistics_see_the_fed_dropout_masks(kind, tmp_path):
     """With rewrite_dropout the engine draws the masks (seeded from torch's RNG); eager PyTorch fed the same masks
     gives the engine's loss and running statistics."""
     from ortflow.accel.graph import fed_dropout
-    from ortflow.accel.graph.rewrites import draw_masks
+    from ortflow.accel.graph.masks import draw_masks
     from ortflow.step.batch import Layout
     from ortflow.step.loss import CrossEntropy
     from ortflow.step.with_loss import WithLoss

@@ -46,7 +46,7 @@ _LIBRARY.define(
 def _masked(x: torch.Tensor, keep: torch.Tensor, scale: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """x (bf16) with dropout applied as autocast's dropout computes it on a bf16 tensor, `x * keep * scale` in bf16
     (the scale applied in fp32 and rounded once): no conversion of x. `keep`: uint8 flags (the artifacts engine
-    feeds them, with the scale beside them: `rewrites.DropoutMask.scale_input`; all 1 and scale 1 in evaluation);
+    feeds them, with the scale beside them: `masks.DropoutMask.scale_input`; all 1 and scale 1 in evaluation);
     empty: no dropout."""
     if keep.numel() == 0:
         return x
@@ -145,7 +145,7 @@ def _is_gemm(node: onnx.NodeProto | None) -> bool:
 def gemm_relu_chains(model: onnx.ModelProto, masks: list | None = None) -> int:
     """Fuse each `gemm_bf16 -> ReLU -> [x * graph input] -> gemm_bf16` chain (module docstring) so that bf16 flows
     from the first GEMM to the second. `masks`: the dropout masks the engine feeds as graph inputs
-    (rewrites.DropoutMask, the artifacts engine's); a fused one is fed from then on as uint8 keep flags and a scale
+    (masks.DropoutMask, the artifacts engine's); a fused one is fed from then on as uint8 keep flags and a scale
     (its `scale_input`), replaced in the list. A chain through any other mask stays as it is: ORTModule's masks are
     fp32 inputs of its module, and applying those in torch (`mask != 0`, then the multiply) measured slower than ORT's
     fp32 edges at d_model 512 (1.10x against 1.15x eager bf16). Returns how many it fused."""

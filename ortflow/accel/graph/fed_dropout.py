@@ -3,7 +3,7 @@
 ORT's CPU Dropout draws its random numbers slowly, on one thread. ORTModule exports whatever the wrapped module's
 forward does, so the forward below takes the masks as extra inputs and, while it runs, `torch.nn.functional.dropout`
 (what nn.Dropout calls) multiplies by the next mask instead of drawing one: the exported graph has `x * mask` with
-the mask a graph input, and the engine draws the masks each step (rewrites.MaskSampler: fast, seeded from torch's
+the mask a graph input, and the engine draws the masks each step (masks.MaskSampler: fast, seeded from torch's
 RNG). scaled_dot_product_attention with `dropout_p` (nn.MultiheadAttention's attention-weights dropout) is written
 out meanwhile as torch documents it, so that its dropout goes through `nn.functional.dropout` too.
 """
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ortflow.accel.graph.rewrites import DropoutMask
+from ortflow.accel.graph.masks import DropoutMask
 from ortflow.errors import OrtflowError
 from ortflow.model.probe import training_forward_probe
 from ortflow.step.with_loss import WithLoss

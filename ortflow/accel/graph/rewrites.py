@@ -10,37 +10,18 @@ operators only, so the portable target keeps them, but for the fed masks.
 """
 
 import logging
-from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.accel.compat import ort
 from ortflow.accel.graph import aten_nodes
 from ortflow.accel.graph import plan as graph_plan
+from ortflow.accel.graph.masks import DropoutMask
 from ortflow.accel.graph.onnx_values import attribute, readers, value_types
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DropoutMask:
-    """A graph input that replaced a Dropout: the engine feeds `shape`-shaped masks of 0 and 1/(1-ratio); or, with
-    `scale_input` (a dropout a torch-kernel node applies itself: accel/graph/bf16_edges.py), uint8 keep flags 0 and
-    1 in the mask and 1/(1-ratio) in the scalar input `scale_input` (1 in evaluation, where the masks are all 1)."""
-
-    name: str
-    shape: tuple[int, ...]
-    ratio: float
-    dtype: np.dtype = field(default=np.dtype(np.float32))
-    scale_input: str | None = None
-
-    @property
-    def scale(self) -> np.ndarray:
-        """The training step's value of `scale_input`."""
-        return np.array(1.0 / (1.0 - self.ratio) if self.ratio < 1.0 else 0.0, dtype=np.float32)
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -366,49 +347,6 @@ def dropout_to_mask_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray] 
     del graph.node[:]
     graph.node.extend(nodes)
     return masks
-
-
-class MaskSampler:
-    """Draws one step's dropout masks into buffers allocated once: 0 with probability `ratio`, else 1/(1-ratio).
-
-    An element drops when a 32-bit random integer is below round(ratio * 2**32) (the probability is exact to
-    2**-33; torch's CPU bernoulli_ compares a 24-bit float). The integers come from numpy's SFC64, the fastest of
-    its generators here (transformer recipe, 4.2M mask values on 2 cores: ~4 ms per step, PCG64 ~5.5 ms, against
-    ~20 ms in torch 2.14's CPU bernoulli_ and ~20 ms in ORT's Dropout and DropoutGrad). It is seeded from torch's
-    generator unless a seed is given, which the loop re-seeds from (seed, step, rank) before every step: a run's
-    seed fixes its masks, and a resumed run draws the masks an uninterrupted run would.
-    """
-
-    def __init__(self, masks: list[DropoutMask]) -> None:
-        self.masks = masks
-        self.sizes = [int(np.prod(m.shape)) for m in masks]
-        self.keep = np.empty(sum(self.sizes), dtype=bool)
-        self.out = [np.empty(m.shape, m.dtype) for m in masks]
-
-    def draw(self, seed: int | None = None) -> list[np.ndarray]:
-        """The masks, in the sampler's buffers: valid until the next call."""
-        with torch.profiler.record_function("ortflow::draw_dropout_masks"):  # its own row in ortflow-bench --profile
-            return self._draw(int(torch.randint(0, 2**62, (1,))) if seed is None else seed)
-
-    def _draw(self, seed: int) -> list[np.ndarray]:
-        total = len(self.keep)
-        raw = np.random.SFC64(seed).random_raw((total + 1) // 2).view(np.uint32)[:total]
-        start = 0
-        for mask, size, out in zip(self.masks, self.sizes, self.out, strict=True):
-            keep, drawn = self.keep[start : start + size], raw[start : start + size]
-            start += size
-            if mask.ratio >= 1.0:
-                out.fill(0)
-                continue
-            np.greater_equal(drawn, np.uint32(min(round(mask.ratio * 2**32), 2**32 - 1)), out=keep)
-            kept = 1 if mask.scale_input else 1.0 / (1.0 - mask.ratio)  # keep flags, or kept values scaled
-            np.multiply(keep.reshape(mask.shape), mask.dtype.type(kept), out=out)
-        return self.out
-
-
-def draw_masks(masks: list[DropoutMask], seed: int | None = None) -> list[np.ndarray]:
-    """One step's masks in new arrays (MaskSampler.draw)."""
-    return MaskSampler(masks).draw(seed)
 
 
 # ------------------------------------------------------------------------------------------------- declarations

@@ -124,9 +124,12 @@ def test_no_edge_is_bf16_where_autocast_has_fp32_and_both_engines_train_the_same
                 for module in bf16:  # never bf16 where autocast hands the GEMM fp32 (the residual stream)
                     assert eager[module] == torch.bfloat16, (module, eager)
                 assert eager["transformer.layers.0.linear1"] == torch.float32  # after LayerNorm: fp32 in both
-    for mode in CASES:  # the same masks, the same arithmetic, the same losses
-        assert run_losses[mode, "true"] == run_losses[mode, "false"], run_losses
-        assert len(run_losses[mode, "true"]) == 4
+    for mode in CASES:  # the same masks and the same forward arithmetic: the same first loss, bit for bit
+        fused, unfused = run_losses[mode, "true"], run_losses[mode, "false"]
+        assert len(fused) == 4 and fused[0] == unfused[0], run_losses
+        # After an update: the first GEMM's bias gradient is summed from bf16 as autocast sums it (from fp32 without
+        # the fused chain), a rounding apart; measured 1.2e-5 relative by the fourth step.
+        assert fused[1:] == pytest.approx(unfused[1:], rel=1e-4, abs=0), run_losses
 
 
 @pytest.mark.parametrize("mode", ["artifacts"])

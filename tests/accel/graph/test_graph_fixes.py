@@ -8,12 +8,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from ortflow.accel.graph import masks as masks_module
+from ortflow.accel.graph.masks import DropoutMask, MaskSampler, draw_masks
 from ortflow.accel.graph.rewrites import (
-    DropoutMask,
     add_dropout_masks,
     attention_dropout_in_training_mode,
     constant_gathers_to_slices,
-    draw_masks,
     dropout_to_mask_inputs,
     relu_to_mask_mul,
     small_embeddings_to_onehot_matmul,
@@ -144,6 +144,27 @@ def test_drawn_masks_follow_torchs_seed_and_differ_between_sites_and_steps():
     for got, want in zip(again, first, strict=True):
         np.testing.assert_array_equal(got, want)  # the run's seed fixes the masks (and a resumed RNG state too)
     assert not np.array_equal(first[0], first[1]) and not np.array_equal(first[0], second[0])
+
+
+def test_masks_drawn_on_threads_are_the_masks_one_thread_draws():
+    """A seed fixes the masks whatever the threads: masks across the sampler's stream boundaries (CHUNK values), of
+    different ratios, dtypes and keep flags; the threads' buffers are reused from one step to the next."""
+    chunk = masks_module.CHUNK
+    masks = [
+        DropoutMask("a", (3, chunk // 2 + 7), 0.1),
+        DropoutMask("b", (chunk + 5,), 0.5, np.dtype(np.float16)),
+        DropoutMask("c", (2, 9), 1.0),
+        DropoutMask("d", (chunk // 3,), 0.25, np.dtype(np.uint8), scale_input="s"),
+    ]
+    sampler = MaskSampler(masks, threads=2)
+    assert sampler.pool is not None
+    for seed in (0, 1):
+        want = draw_masks(masks, seed=seed)
+        got = sampler.draw(seed)
+        for m, g, w in zip(masks, got, want, strict=True):
+            assert g.dtype == w.dtype == m.dtype and g.shape == m.shape
+            np.testing.assert_array_equal(g, w, err_msg=m.name)
+    assert 0.45 < (got[1] != 0).mean() < 0.55 and not got[2].any() and set(np.unique(got[3])) == {0, 1}
 
 
 def test_a_dropout_exported_without_training_mode_is_put_in_training_mode():
