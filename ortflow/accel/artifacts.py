@@ -453,14 +453,13 @@ class ArtifactsEngine:
         return loss, grads
 
     def _grad_norm(self) -> float:
-        """The global gradient norm before clipping, from ORT's gradient buffers (CheckpointState parameters'
-        `grad`), read after the backward passes and before the optimizer graph (which clips with the same norm)."""
-        total = 0.0
+        """The global gradient norm before clipping, computed as eager computes it (torch's norms in float32,
+        clip_grad_norm_'s), over ORT's gradient buffers read in place after the backward passes and before the
+        optimizer graph (which clips with the same norm). Reading them as numpy copies and summing in float64 took
+        ~25 ms a step on ResNet-18's 11M parameters (2-core Zen 5)."""
         with torch.profiler.record_function("ortflow::grad_norm"):
-            for name in self.trainable:
-                grad = np.asarray(self.state.parameters[name].grad, dtype=np.float64)
-                total += float(np.square(grad).sum())
-        return math.sqrt(total)
+            grads = ort.gradient_views(self.state, self.trainable)
+            return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
     def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
         real = targets.size(0)

@@ -104,6 +104,14 @@ def quiet_root_logger() -> Iterator[None]:
         root.setLevel(level)
 
 
+def gradient_views(state, names: list[str]) -> list[torch.Tensor]:
+    """The gradient buffers of the training API's parameters `names` (an `api.CheckpointState`) as torch tensors that
+    share their memory (DLPack; no copy), valid until the next training or optimizer run. The public
+    `state.parameters[name].grad` copies each buffer into a new numpy array."""
+    grads = (state._state.get_parameter(name).grad for name in names)
+    return [torch.from_dlpack(grad.to_dlpack()) for grad in grads if grad.has_value()]
+
+
 def ort_optimizer(path: Path, module, options=None):
     """onnxruntime.training.api.Optimizer over `module`; with `options`, its session gets those instead of the
     module's (the training API offers no argument for it: it reads the module's private `_session_options`)."""
