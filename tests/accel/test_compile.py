@@ -7,7 +7,6 @@ quicker)."""
 import copy
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,24 +22,11 @@ from ortflow.errors import ConfigError, ModelError, OrtflowError
 from ortflow.model.freeze import freeze
 from tests.accel.test_vision_engines import STATS_ATOL, conv_bn, images, make_engine, optim
 from tests.conftest import make_cfg
+from tests.helpers import clusters
 
 # dynamo's recompile limit (its name before torch 2.7: cache_size_limit)
 LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 RTOL = 1e-5  # losses against eager's on the same batches; measured <= 3e-7 (inductor's kernels sum in another order)
-
-
-def _compile_workers() -> list[str]:
-    """The command lines of this process's children that are inductor's compile workers (Linux's /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and "compile_worker" in cmdline:
-            found.append(cmdline)
-    return found
 
 
 def test_a_batchnorm_cnn_with_frozen_layers_trains_and_evaluates_as_eager(tmp_path):
@@ -72,7 +58,7 @@ def _trains_and_evaluates_as_eager(tmp_path):
     assert info["compiled_evals"] == 1 and info["compiled_runs"] == len(batches) + 1, info
     assert info["graphs_compiled"] == 2, info  # training and eval: one graph each
     if sys.platform.startswith("linux"):  # inductor's workers ended after each compilation, not training beside it
-        assert not _compile_workers()
+        assert not [pid for pid in clusters.descendants(os.getpid()) if "compile_worker" in clusters.cmdline(pid)]
 
 
 def test_bf16_mixed_runs_autocast_inside_the_compiled_graph(tmp_path):

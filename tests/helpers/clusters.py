@@ -62,7 +62,7 @@ def _wait_gone(process: subprocess.Popen, timeout: float = 30) -> None:
         process.wait(10)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """The processes below `pid` (read from /proc)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -89,7 +89,7 @@ def _started_at(pid: int) -> str | None:
 def _stop(node: subprocess.Popen, seen: dict[int, str | None]) -> None:
     """A `ray start --block` and every process it started, also those seen earlier that outlived it (orphaned when
     their raylet was killed): by pid, each checked to be the same process."""
-    left = {pid: _started_at(pid) for pid in _descendants(node.pid)} | seen
+    left = {pid: _started_at(pid) for pid in descendants(node.pid)} | seen
     _wait_gone(node)
     for pid, started in left.items():
         if started is not None and _started_at(pid) == started:
@@ -97,7 +97,7 @@ def _stop(node: subprocess.Popen, seen: dict[int, str | None]) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
@@ -172,8 +172,8 @@ class RayCluster:
 
     def _raylet(self, node: subprocess.Popen) -> tuple[int, str] | None:
         """The pid and node id of the raylet that `node`'s `ray start` started, if it still runs."""
-        for pid in _descendants(node.pid):
-            line = _cmdline(pid)
+        for pid in descendants(node.pid):
+            line = cmdline(pid)
             found = re.search(r"--node_id=([0-9a-f]+)", line)
             if "raylet" in line.split(" ", 1)[0] and found:
                 return pid, found.group(1)
@@ -200,7 +200,7 @@ class RayCluster:
                 raise RuntimeError(f"a Ray node did not start: {self.logs()}")
             if len(self.nodes_alive()) >= count:
                 for node in self.nodes:
-                    self.seen[node] = {pid: _started_at(pid) for pid in _descendants(node.pid)}
+                    self.seen[node] = {pid: _started_at(pid) for pid in descendants(node.pid)}
                 return
             time.sleep(1)
         raise RuntimeError(f"the Ray cluster did not reach {count} nodes: {self.logs()}")
