@@ -41,11 +41,10 @@ def _glibc() -> ctypes.CDLL | None:
         return None
     try:
         libc = ctypes.CDLL(name)
-        if not (hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt")):  # only glibc has the first
-            return None
-    except (OSError, AttributeError):
+    except OSError:
         return None
-    return libc
+    glibc = hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt")  # only glibc has the first
+    return libc if glibc else None
 
 
 def apply(setting: Any) -> dict[str, str]:

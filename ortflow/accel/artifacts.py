@@ -459,7 +459,7 @@ class ArtifactsEngine:
         10-12 ms a step on ResNet-18's 11M parameters, this 2.0 ms (2-core Zen 5)."""
         with torch.profiler.record_function("ortflow::grad_norm"):
             grads = ort.gradient_views(self.state, self.trainable)
-            return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            return float(torch.nn.utils.get_total_norm(grads))  # 0.0 for no gradients
 
     def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
         real = targets.size(0)
