@@ -25,7 +25,7 @@ from ortflow.accel import failures
 from ortflow.accel.compat import ortmodule_patches
 from ortflow.accel.compat.extensions import ensure_built
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
-from ortflow.accel.graph import batchnorm, bf16_weights, fed_dropout, ortmodule_export, pipeline
+from ortflow.accel.graph import batchnorm, bf16_edges, bf16_weights, fed_dropout, ortmodule_export, pipeline
 from ortflow.accel.graph import plan as graph_plan
 from ortflow.accel.graph.masks import DropoutMask, MaskSampler, draw_masks
 from ortflow.accel.graph.plan import GraphSettings
@@ -144,7 +144,9 @@ class ORTModuleEngine:
             self.batch_statistics = batchnorm.BatchStatistics.of(ctx.model)
             self.masks: list[DropoutMask] = []
             if self.plan.path("dropout") is graph_plan.Path.fed:
-                with_loss, self.masks = fed_dropout.wrap(with_loss, example)
+                # keep flags where the bf16 edges fuse a linear -> ReLU -> dropout -> linear chain
+                keep_flags = self.plan.by_torch(bf16_edges.NAME)
+                with_loss, self.masks = fed_dropout.wrap(with_loss, example, keep_flags)
             self.module = ORTModule(with_loss, debug_options(ctx.debug, ctx.onnx_dir))
         if self.masks:
             self.graph_fixes["dropout_to_mask_inputs"] = len(self.masks)

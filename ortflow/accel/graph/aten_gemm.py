@@ -13,7 +13,8 @@ only while an ORT engine exports):
 - forward: the exporter's `aten::linear`, `aten::matmul`, `aten::addmm` and `aten::bmm` become one ATen node running
   `ortflow::gemm_bf16(a, b, bias, transpose_b, output_mask)`: a @ b (b transposed for linear) + bias;
 - gradient: one ATen node running `ortflow::gemm_bf16_backward`, the gradients of a and b as bf16 GEMMs (none for a
-  frozen weight: the mask says which are wanted) and the bias's summed in fp32;
+  frozen weight: the mask says which are wanted) and the bias's summed in fp32 (from a bf16 gradient, in bf16 as
+  autocast sums it);
 - a frozen weight (the mask's fourth boolean, set where b is a frozen parameter) is cast once and its bf16 copy reused
   from step to step (accel/graph/bf16_weights.py), where autocast casts it again every step;
 - a bias is added inside the GEMM where autocast does so too (`addmm`, `linear`), not in a pass of its own.
@@ -90,8 +91,17 @@ def gemm_backward(grad_output: torch.Tensor, a16, b16, bias, transpose_b: bool, 
         else:
             grad_b = torch.matmul(a16.mT, grad16).float().sum_to_size(b16.shape)
     if output_mask[2] and bias is not None:
-        grad_bias = grad_output.float().sum_to_size(bias.shape)
+        grad_bias = _bias_gradient(grad_output, bias)
     return grad_a, grad_b, grad_bias
+
+
+def _bias_gradient(grad_output: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The bias's gradient in fp32: an fp32 gradient summed in fp32; a bf16 one (a GEMM whose output is a bf16 edge,
+    accel/graph/bf16_edges.py) summed over its rows as autocast's addmm backward sums it (bf16, accumulated in fp32
+    by torch's kernel), without converting the whole gradient."""
+    if grad_output.dtype != torch.bfloat16 or bias.dim() != 1 or bias.numel() != grad_output.size(-1):
+        return grad_output.float().sum_to_size(bias.shape)
+    return grad_output.reshape(-1, bias.numel()).sum(0).float()
 
 
 _LIBRARY.impl("gemm_bf16", _gemm, "CPU")

@@ -8,7 +8,8 @@ eager hands bf16 along. ORT's CPU kernels have no bf16 arithmetic (Greater, Mul,
 bf16), so the ReLU and the dropout mask between the two GEMMs cannot stay ORT's and be bf16.
 
 How: the rewrite finds `ATen gemm_bf16 -> ReLU (Relu, or the relu rewrite's x * (x > 0)) -> [x * m, m a graph
-input: a fed dropout mask] -> ATen gemm_bf16 (its first input)` where every intermediate has that one reader, and
+input: a fed dropout mask; or x * (Cast(keep) * scale), ORTModule's keep flags] -> ATen gemm_bf16 (its first
+input)` where every intermediate has that one reader, and
 makes the first GEMM one node running `ortflow::gemm_bf16_relu`: the product, ReLU and mask in torch, as autocast
 rounds them (the product in bf16, the mask applied in float and rounded to bf16 once), returning bf16, which the
 second GEMM takes as it is. Its gradient node (`ortflow::gemm_bf16_relu_backward`) takes the bf16 gradient the second
@@ -146,12 +147,15 @@ def gemm_relu_chains(model: onnx.ModelProto, masks: list | None = None) -> int:
     """Fuse each `gemm_bf16 -> ReLU -> [x * graph input] -> gemm_bf16` chain (module docstring) so that bf16 flows
     from the first GEMM to the second. `masks`: the dropout masks the engine feeds as graph inputs
     (masks.DropoutMask, the artifacts engine's); a fused one is fed from then on as uint8 keep flags and a scale
-    (its `scale_input`), replaced in the list. A chain through any other mask stays as it is: ORTModule's masks are
-    fp32 inputs of its module, and applying those in torch (`mask != 0`, then the multiply) measured slower than ORT's
-    fp32 edges at d_model 512 (1.10x against 1.15x eager bf16). Returns how many it fused."""
+    (its `scale_input`), replaced in the list. ORTModule's masks are its module's inputs: where its module feeds keep
+    flags (fed_dropout.py), the graph multiplies by `Cast(keep) * scale`, and the fused node takes `keep` and the
+    scale constant. A chain through any other mask stays as it is: an fp32 mask applied in torch (`mask != 0`, then
+    the multiply) measured slower than ORT's fp32 edges at d_model 512 (1.10x against 1.15x eager bf16). Returns how
+    many it fused."""
     graph = model.graph
     types = {v.name: v.type.tensor_type.elem_type for v in graph.input}
     readers = _readers(graph)
+    producers = {name: node for node in graph.node for name in node.output}
     constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
     constants |= {i.name: i for i in graph.initializer}
     removed: set[int] = set()
@@ -161,11 +165,15 @@ def gemm_relu_chains(model: onnx.ModelProto, masks: list | None = None) -> int:
     for first in graph.node:
         if not _is_gemm(first) or id(first) in removed:
             continue
-        chain = _chain(first, readers, constants, types, fed)
+        chain = _chain(first, readers, producers, constants, types, fed)
         if chain is None:
             continue
-        mask, nodes, after = chain
-        before[id(first)] = _fuse(graph, first, after, mask, masks, fed)
+        mask, scale, nodes, after = chain
+        before[id(first)] = _fuse(graph, first, after, mask, scale, masks, fed)
+        constant = producers.get(scale)
+        if constant is not None and constant.op_type == "Constant":
+            before[id(first)].append(constant)  # read by the fused node from now on: placed before it
+            nodes.append(constant)
         removed.update(id(node) for node in nodes)
         changed += 1
     if changed:
@@ -182,29 +190,73 @@ def gemm_relu_chains(model: onnx.ModelProto, masks: list | None = None) -> int:
 def _chain(
     first: onnx.NodeProto,
     readers: dict[str, list[onnx.NodeProto]],
+    producers: dict[str, onnx.NodeProto],
     constants: dict[str, Any],
     types: dict[str, int],
     fed: dict[str, int] | None,
-) -> tuple[str, list[onnx.NodeProto], onnx.NodeProto] | None:
-    """The chain from the GEMM `first` to the next GEMM: the mask it multiplies by ("" if none), the nodes between
-    (ReLU, a dropout at 0, the mask's Mul) and the second GEMM; None where `first` starts no chain to fuse."""
+) -> tuple[str, str, list[onnx.NodeProto], onnx.NodeProto] | None:
+    """The chain from the GEMM `first` to the next GEMM: the mask it multiplies by ("" if none), the scale of keep
+    flags already in the graph ("" if none), the nodes between (ReLU, a dropout at 0, the mask's nodes) and the
+    second GEMM; None where `first` starts no chain to fuse."""
     relu = _relu(first.output[0], readers)
     if relu is None:
         return None
     out, nodes = relu
-    mask, after = "", _only(readers, out)
+    mask, scale, after = "", "", _only(readers, out)
     if after is not None and after.op_type == "Dropout" and _zero(constants, after.input[1:2]):
         out, nodes = after.output[0], [*nodes, after]  # dropout at 0: the identity
         after = _only(readers, out)
     if after is not None and after.op_type == "Mul" and out in after.input:
         other = after.input[1] if after.input[0] == out else after.input[0]
-        if fed is None or other not in fed or types.get(other) != TensorProto.FLOAT:
+        flags = _keep_flags(other, readers, producers, constants, types)
+        if flags is not None:
+            mask, scale, mask_nodes = flags
+            nodes = [*nodes, *mask_nodes]
+        elif fed is None or other not in fed or types.get(other) != TensorProto.FLOAT:
             return None  # only a mask the engine feeds as a graph input and can feed as keep flags
-        mask, out, nodes = other, after.output[0], [*nodes, after]
+        else:
+            mask = other
+        out, nodes = after.output[0], [*nodes, after]
         after = _only(readers, out)
     if not _is_gemm(after) or after.input[0] != out or after.input[1] == out:
         return None
-    return mask, nodes, after
+    return mask, scale, nodes, after
+
+
+def _keep_flags(
+    name: str,
+    readers: dict[str, list[onnx.NodeProto]],
+    producers: dict[str, onnx.NodeProto],
+    constants: dict[str, Any],
+    types: dict[str, int],
+) -> tuple[str, str, list[onnx.NodeProto]] | None:
+    """Where `name` is `Cast(keep) * scale` (ORTModule's keep flags: fed_dropout.py), each read once, with `keep` a
+    uint8 graph input and `scale` a constant scalar (an initializer, or a Constant only that Mul reads, which the
+    fused node then reads instead): keep, scale and the two nodes."""
+    mul = producers.get(name)
+    if mul is None or mul.op_type != "Mul" or _only(readers, name) is None:
+        return None
+    for cast_out, scale in (mul.input, reversed(mul.input)):
+        cast = producers.get(cast_out)
+        if (
+            cast is not None
+            and cast.op_type == "Cast"
+            and types.get(cast.input[0]) == TensorProto.UINT8
+            and _only(readers, cast_out) is mul
+            and _scalar(constants, scale)
+            and (isinstance(constants[scale], onnx.TensorProto) or _only(readers, scale) is mul)  # movable
+        ):
+            return cast.input[0], scale, [cast, mul]
+    return None
+
+
+def _scalar(constants: dict[str, Any], name: str) -> bool:
+    """Whether `name` is a constant float scalar (a Constant node's output or an initializer)."""
+    if name not in constants:
+        return False
+    found = constants[name]
+    tensor = found if isinstance(found, onnx.TensorProto) else next(a.t for a in found.attribute if a.name == "value")
+    return tensor.data_type == TensorProto.FLOAT and numpy_helper.to_array(tensor).size == 1
 
 
 def _fuse(
@@ -212,18 +264,19 @@ def _fuse(
     first: onnx.NodeProto,
     after: onnx.NodeProto,
     mask: str,
+    scale: str,
     masks: list | None,
     fed: dict[str, int] | None,
 ) -> list[onnx.NodeProto]:
-    """Make `first` the fused node (ReLU and `mask` inside, its bf16 output read by the GEMM `after`); returns the
-    Constants to place before it (an empty mask and scale where there are none)."""
+    """Make `first` the fused node (ReLU and `mask` inside, its bf16 output read by the GEMM `after`; `scale`: the
+    graph's scale of keep flags, if any); returns the Constants to place before it (an empty mask and scale where
+    there are none)."""
     base = first.name or first.output[0]
-    scale = f"{base}/no_scale"
-    constants = [_empty(scale)]
+    constants = []
     if not mask:
-        mask = f"{base}/no_mask"
-        constants.append(_empty(mask))
-    else:
+        mask, scale = f"{base}/no_mask", f"{base}/no_scale"
+        constants += [_empty(scale), _empty(mask)]
+    elif not scale:
         scale = _keep_and_scale(graph, masks, fed[mask])
     first.input.extend([mask, scale])
     for attribute in first.attribute:

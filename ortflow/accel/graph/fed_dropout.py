@@ -6,15 +6,23 @@ forward does, so the forward below takes the masks as extra inputs and, while it
 the mask a graph input, and the engine draws the masks each step (masks.MaskSampler: fast, seeded from torch's
 RNG). scaled_dot_product_attention with `dropout_p` (nn.MultiheadAttention's attention-weights dropout) is written
 out meanwhile as torch documents it, so that its dropout goes through `nn.functional.dropout` too.
+
+With `keep_flags` (trainer.precision=bf16-mixed with accel.bf16_edges), a dropout between a linear's ReLU and the
+next linear (`linear -> relu -> dropout -> linear`, found while the masks are found) takes uint8 keep flags instead:
+the forward multiplies by `keep * 1/(1-p)`, exported as `x * (Cast(keep) * scale)` with the scale a constant, which
+the bf16-edges rewrite (bf16_edges.py) takes into the fused GEMM-ReLU node, so that the chain hands bf16 along. Where
+that rewrite does not fuse the chain, the graph computes what a float mask gives.
 """
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ortflow.accel.graph.masks import DropoutMask
 from ortflow.errors import OrtflowError
@@ -65,20 +73,67 @@ def _dropout_replaced(replacement) -> Iterator[None]:
         torch.nn.functional.scaled_dot_product_attention = _attention
 
 
-def find_masks(module: WithLoss, example: tuple[torch.Tensor, ...]) -> list[DropoutMask]:
+class _LinearReluChains(TorchFunctionMode):
+    """Which tensors of one forward are the ReLU of a linear's output, and which dropout outputs a linear reads."""
+
+    RELUS = (torch.relu, torch.relu_, torch.nn.functional.relu, torch.Tensor.relu, torch.Tensor.relu_)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_outputs: set[int] = set()
+        self.relu_of_linear: set[int] = set()
+        self.dropped: dict[int, int] = {}  # a dropout's output -> its site's index
+        self.read_by_linear: set[int] = set()  # sites a linear reads
+        self.alive: list[torch.Tensor] = []  # the tensors named by id above, kept so that no id is reused
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = args[0] if args else None
+        if func is torch.nn.functional.linear:
+            if id(first) in self.dropped:
+                self.read_by_linear.add(self.dropped[id(first)])
+            self._mark(self.linear_outputs, out)
+        elif func in self.RELUS and id(first) in self.linear_outputs:
+            self._mark(self.relu_of_linear, out)
+        return out
+
+    def _mark(self, where: set[int], tensor: object) -> None:
+        if isinstance(tensor, torch.Tensor):
+            where.add(id(tensor))
+            self.alive.append(tensor)
+
+    def site(self, x: torch.Tensor, dropped: torch.Tensor, index: int) -> None:
+        """A dropout site: its input `x` and output `dropped`."""
+        if id(x) in self.relu_of_linear:
+            self.dropped[id(dropped)] = index
+            self.alive.append(dropped)
+
+
+def find_masks(module: WithLoss, example: tuple[torch.Tensor, ...], keep_flags: bool = False) -> list[DropoutMask]:
     """The dropout sites (functional dropout in training mode with p > 0) of one training forward of `module` on
-    `example` (flat inputs and targets), in call order. Its buffers are restored afterwards."""
+    `example` (flat inputs and targets), in call order. Its buffers are restored afterwards. With `keep_flags`, the
+    sites between a linear's ReLU and a linear take uint8 keep flags (module docstring)."""
     found: list[DropoutMask] = []
+    chains = _LinearReluChains()
+    inside: list[bool] = []  # under the function mode, torch's dropout hands itself (this function) to the mode
 
     def record(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-        if training and p > 0:
-            found.append(
-                DropoutMask(f"dropout_mask_{len(found)}", tuple(x.shape), float(p), np.dtype(str(x.dtype)[6:]))
-            )
-        return _dropout(x, p, training, inplace)
+        if not training or p <= 0 or inside:
+            return _dropout(x, p, training, inplace)
+        inside.append(True)
+        try:
+            dropped = _dropout(x, p, training, inplace)
+        finally:
+            inside.pop()
+        found.append(DropoutMask(f"dropout_mask_{len(found)}", tuple(x.shape), float(p), np.dtype(str(x.dtype)[6:])))
+        chains.site(x, dropped, len(found) - 1)
+        return dropped
 
-    with training_forward_probe(module), _dropout_replaced(record):
+    with training_forward_probe(module), _dropout_replaced(record), chains if keep_flags else contextlib.nullcontext():
         module(*example)
+    if keep_flags:
+        for index in chains.read_by_linear:
+            found[index] = dataclasses.replace(found[index], dtype=np.dtype(np.uint8))
     return found
 
 
@@ -106,6 +161,8 @@ class WithLossAndMasks(WithLoss):
                     f"{'none' if site is None else f'shape {site.shape}, p={site.ratio}'} was expected): its forward "
                     "changes with the input. Set accel.rewrite_dropout=false."
                 )
+            if mask.dtype == torch.uint8:  # keep flags (module docstring)
+                return x * (mask.to(x.dtype) * site.scale.item())
             return x * mask
 
         if not self.training:
@@ -114,7 +171,10 @@ class WithLossAndMasks(WithLoss):
             return super().forward(*inputs[: len(inputs) - n], targets)
 
 
-def wrap(module: WithLoss, example: tuple[torch.Tensor, ...]) -> tuple[nn.Module, list[DropoutMask]]:
-    """`module` taking its dropout masks as inputs, and the masks it takes; `module` itself when it has none."""
-    masks = find_masks(module, example)
+def wrap(
+    module: WithLoss, example: tuple[torch.Tensor, ...], keep_flags: bool = False
+) -> tuple[nn.Module, list[DropoutMask]]:
+    """`module` taking its dropout masks as inputs, and the masks it takes; `module` itself when it has none.
+    `keep_flags`: as find_masks."""
+    masks = find_masks(module, example, keep_flags)
     return (WithLossAndMasks(module, masks), masks) if masks else (module, [])

@@ -22,14 +22,19 @@ CHUNK = 1 << 20  # random values per stream, and mask values per piece of work (
 @dataclass(frozen=True)
 class DropoutMask:
     """A graph input that replaced a Dropout: the engine feeds `shape`-shaped masks of 0 and 1/(1-ratio); or, with
-    `scale_input` (a dropout a torch-kernel node applies itself: accel/graph/bf16_edges.py), uint8 keep flags 0 and
-    1 in the mask and 1/(1-ratio) in the scalar input `scale_input` (1 in evaluation, where the masks are all 1)."""
+    dtype uint8 (a dropout a torch-kernel node applies itself: accel/graph/bf16_edges.py), keep flags 0 and 1, the
+    scale 1/(1-ratio) then in the scalar graph input `scale_input` (the artifacts engine: 1 in evaluation, where the
+    masks are all 1) or a constant of the graph (ORTModule's: fed_dropout.py)."""
 
     name: str
     shape: tuple[int, ...]
     ratio: float
     dtype: np.dtype = field(default=np.dtype(np.float32))
     scale_input: str | None = None
+
+    @property
+    def keep_flags(self) -> bool:
+        return self.dtype == np.uint8
 
     @property
     def scale(self) -> np.ndarray:
@@ -39,7 +44,7 @@ class DropoutMask:
 
 class MaskSampler:
     """Draws one step's dropout masks into buffers allocated once: 0 with probability `ratio`, else 1/(1-ratio) (or
-    keep flags, `DropoutMask.scale_input`).
+    keep flags, `DropoutMask.keep_flags`).
 
     It is seeded from torch's generator unless a seed is given, which the loop re-seeds from (seed, step, rank) before
     every step: a run's seed fixes its masks, and a resumed run draws the masks an uninterrupted run would.
@@ -91,7 +96,7 @@ class MaskSampler:
         keep = self.keep[first + lo : first + hi]
         below = np.uint32(min(round(mask.ratio * 2**32), 2**32 - 1))
         np.greater_equal(self.raw[first + lo : first + hi], below, out=keep)
-        kept = 1 if mask.scale_input else 1.0 / (1.0 - mask.ratio)  # keep flags, or kept values scaled
+        kept = 1 if mask.keep_flags else 1.0 / (1.0 - mask.ratio)  # keep flags, or kept values scaled
         np.multiply(keep, mask.dtype.type(kept), out=out[lo:hi])
 
 

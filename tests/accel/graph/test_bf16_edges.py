@@ -9,8 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ortflow.accel.graph import aten_gemm, bf16_edges
+from ortflow.accel.graph import aten_gemm, bf16_edges, fed_dropout
 from ortflow.run.runner import build_data, build_model, train
+from ortflow.step import loss
+from ortflow.step.batch import Layout
+from ortflow.step.with_loss import WithLoss
 from tests.accel.test_precision import losses
 from tests.conftest import TINY, make_cfg
 
@@ -57,17 +60,33 @@ def test_the_fused_node_computes_what_the_fp32_edged_nodes_did_and_what_autocast
     fgx, fgw1, fgb1 = OPS.gemm_bf16_relu_backward(g16, h16, keep, scale, fx16, fw1_16, t["b1"], True, full)
     for mine, theirs in ((fgw2, gw2), (fgb2, gb2), (fgx, gx), (fgw1, gw1)):
         assert mine.dtype == torch.float32 and torch.equal(mine, theirs)
-    # The first bias's gradient sums the product's gradient as it now arrives, rounded to bf16 (as autocast's
-    # bf16 backward hands it), where the fp32 edges summed it unrounded.
-    assert torch.equal(fgb1, gz.to(torch.bfloat16).float().sum((0, 1)))
+    # The first bias's gradient sums the product's gradient as it now arrives, in bf16 (as autocast's bf16 backward
+    # sums it), where the fp32 edges summed it in fp32.
     torch.testing.assert_close(fgb1, gb1, rtol=1e-2, atol=1e-2)
-    # Autocast's forward: linear in bf16, relu and dropout keep bf16 (dropout: x * keep * scale, rounded once).
+    # Autocast: linear in bf16, relu and dropout keep bf16 (dropout: x * keep * scale, rounded once); the gradients.
+    b1 = t["b1"].clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        eager = torch.relu(F.linear(t["x"], t["w1"], t["b1"])).mul(t["keep"]).mul_(float(t["scale"]))
+        eager = torch.relu(F.linear(t["x"], t["w1"], b1)).mul(t["keep"]).mul_(float(t["scale"]))
     assert eager.dtype == torch.bfloat16 and torch.equal(h16, eager)
+    eager.backward(g16)
+    assert torch.equal(fgb1, b1.grad)
     # Without a mask (dropout off): an empty one.
     plain, _, _ = OPS.gemm_bf16_relu(t["x"], t["w1"], t["b1"], True, full, NO, NO)
     assert torch.equal(plain, torch.relu(z).to(torch.bfloat16))
+
+
+def test_orts_module_takes_keep_flags_only_between_a_linears_relu_and_a_linear():
+    cfg = make_cfg(*LM)
+    data = build_data(cfg)
+    model = WithLoss(build_model(cfg, data), loss.build(cfg.loss), Layout(1))
+    example = (torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))
+    plain = fed_dropout.find_masks(model, example)
+    flagged = fed_dropout.find_masks(model, example, keep_flags=True)
+    assert [m.shape for m in plain] == [m.shape for m in flagged] and len(plain) == 4  # attention, 2 residuals, FFN
+    assert [m.keep_flags for m in plain] == [False] * 4
+    # Only the FFN's dropout (linear1 -> relu -> dropout -> linear2) takes keep flags: the others are read by adds.
+    assert [m.keep_flags for m in flagged] == [False, False, True, False]
+    assert flagged[2].shape[-1] == cfg.model.dim_feedforward
 
 
 def _engine(run_dir) -> dict:
@@ -100,9 +119,9 @@ def _autocast_input_dtypes(tmp_path) -> dict[str, torch.dtype]:
     return found
 
 
-# The artifacts engine with dropout (its masks fed as keep flags and a scale), ORTModule without (its fp32 masks
-# keep the chain as it was: bf16_edges.gemm_relu_chains).
-CASES = {"artifacts": [], "ortmodule": ["model.dropout=0.0"]}
+# Both engines with dropout: the artifacts engine feeds the chain's mask as keep flags and a scale (graph inputs),
+# ORTModule's module takes keep flags and multiplies by a constant scale (fed_dropout.py).
+CASES = {"artifacts": [], "ortmodule": []}
 
 
 def test_no_edge_is_bf16_where_autocast_has_fp32_and_both_engines_train_the_same_with_it(tmp_path):
