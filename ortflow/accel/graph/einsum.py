@@ -7,7 +7,8 @@ One or two operands, each index at most once per operand (no diagonals such as "
 - one operand: a Transpose into the output's order;
 - two: the indices both keep (batch), each one's own kept indices and the indices they contract are grouped,
   A as (batch..., kept_A, contracted) and B as (batch..., contracted, kept_B); one batched MatMul; then the
-  kept indices are unflattened and transposed into the output's order.
+  kept indices are unflattened and transposed into the output's order. Where each group is one index (a batched
+  matrix product, e.g. attention's "...qd,...kd->...qk"), the MatMul takes the transposed operands as they are.
 
 The sizes come from the operands' shapes at run time (a batch the export left dynamic stays so). The sums are the
 ones Einsum computes, in a MatMul's order (as ORT's own Einsum kernel computes them, and torch's bmm).
@@ -88,6 +89,8 @@ def decompose(inputs: list[str], terms: list[str], output: str, emit: Emit, ints
     left = _transpose(emit, values[0], a, batch + kept_a + contracted)
     right = _transpose(emit, values[1], b, batch + contracted + kept_b)
     nb, na, nc, nk = len(batch), len(kept_a), len(contracted), len(kept_b)
+    if na == nc == nk == 1:  # already (batch..., i, k) and (batch..., k, j): one MatMul, nothing to group
+        return _transpose(emit, emit("MatMul", [left, right], {}), batch + kept_a + kept_b, output)
     left_shape, right_shape = emit("Shape", [left], {}), emit("Shape", [right], {})
     left_batch = _shape_part(emit, ints, left_shape, 0, nb)
     right_batch = _shape_part(emit, ints, right_shape, 0, nb)
