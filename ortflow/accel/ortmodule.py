@@ -25,7 +25,7 @@ from ortflow.accel import failures
 from ortflow.accel.compat import ortmodule_patches
 from ortflow.accel.compat.extensions import ensure_built
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
-from ortflow.accel.graph import batchnorm, bf16_edges, bf16_weights, fed_dropout, ortmodule_export, pipeline
+from ortflow.accel.graph import aten_gemm, batchnorm, bf16_edges, bf16_weights, fed_dropout, ortmodule_export, pipeline
 from ortflow.accel.graph import plan as graph_plan
 from ortflow.accel.graph.masks import DropoutMask, MaskSampler, draw_masks
 from ortflow.accel.graph.plan import GraphSettings
@@ -146,7 +146,9 @@ class ORTModuleEngine:
             if self.plan.path("dropout") is graph_plan.Path.fed:
                 # keep flags where the bf16 edges fuse a linear -> ReLU -> dropout -> linear chain
                 keep_flags = self.plan.by_torch(bf16_edges.NAME)
-                with_loss, self.masks = fed_dropout.wrap(with_loss, example, keep_flags)
+                # attention in fp32 where autocast computes it so (fed_dropout.attention_with_functional_dropout)
+                fp32_attention = self.plan.by_torch(aten_gemm.NAME)
+                with_loss, self.masks = fed_dropout.wrap(with_loss, example, keep_flags, fp32_attention)
             self.module = ORTModule(with_loss, debug_options(ctx.debug, ctx.onnx_dir))
         if self.masks:
             self.graph_fixes["dropout_to_mask_inputs"] = len(self.masks)

@@ -16,6 +16,7 @@ that rewrite does not fuse the chain, the graph computes what a float mask gives
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 
@@ -42,14 +43,23 @@ def attention_with_functional_dropout(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    fp32_products: bool = False,
 ) -> torch.Tensor:
     """scaled_dot_product_attention, written out as torch's documentation gives it when it drops attention weights,
     its dropout a call of `nn.functional.dropout` (so that a replaced dropout applies there too). Without dropout,
-    or with grouped-query attention, torch's own."""
+    or with grouped-query attention, torch's own.
+
+    `fp32_products` (trainer.precision=bf16-mixed): the two products are einsums, which ORT runs as its own fp32
+    MatMuls (accel/graph/einsum.py), not as bf16 GEMMs (aten_gemm.py replaces matmul, not einsum). That is how torch
+    computes this attention under CPU autocast: scaled_dot_product_attention with dropout takes its math path, which
+    computes a bf16 query, key and value in fp32 (torch 2.6 to 2.14 alike), and so does the artifacts engine, whose
+    export keeps torch's own attention."""
     if dropout_p == 0.0 or enable_gqa:
         return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     length, source = query.size(-2), key.size(-2)
-    weights = query @ key.transpose(-2, -1) * (1 / math.sqrt(query.size(-1)) if scale is None else scale)
+    scores = torch.einsum("...qd,...kd->...qk", query, key) if fp32_products else query @ key.transpose(-2, -1)
+    weights = scores * (1 / math.sqrt(query.size(-1)) if scale is None else scale)
     if is_causal:
         keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
         weights = weights.masked_fill(keep.logical_not(), float("-inf"))
@@ -59,13 +69,15 @@ def attention_with_functional_dropout(
         else:
             weights = weights + attn_mask
     weights = torch.nn.functional.dropout(torch.softmax(weights, dim=-1), dropout_p)
-    return weights @ value
+    return torch.einsum("...qk,...kd->...qd", weights, value) if fp32_products else weights @ value
 
 
 @contextlib.contextmanager
-def _dropout_replaced(replacement) -> Iterator[None]:
+def _dropout_replaced(replacement, fp32_products: bool = False) -> Iterator[None]:
     torch.nn.functional.dropout = replacement
-    torch.nn.functional.scaled_dot_product_attention = attention_with_functional_dropout
+    torch.nn.functional.scaled_dot_product_attention = functools.partial(
+        attention_with_functional_dropout, fp32_products=fp32_products
+    )
     try:
         yield
     finally:
@@ -140,9 +152,10 @@ def find_masks(module: WithLoss, example: tuple[torch.Tensor, ...], keep_flags: 
 class WithLossAndMasks(WithLoss):
     """WithLoss whose forward takes the dropout masks after the flat inputs and before the targets."""
 
-    def __init__(self, inner: WithLoss, masks: list[DropoutMask]) -> None:
+    def __init__(self, inner: WithLoss, masks: list[DropoutMask], fp32_attention: bool = False) -> None:
         super().__init__(inner.model, inner.loss, inner.layout)
         self.masks = masks
+        self.fp32_attention = fp32_attention  # attention_with_functional_dropout's fp32_products
 
     def forward(self, *tensors: torch.Tensor):
         n = len(self.masks)
@@ -167,14 +180,14 @@ class WithLossAndMasks(WithLoss):
 
         if not self.training:
             return super().forward(*inputs[: len(inputs) - n], targets)
-        with _dropout_replaced(multiply):
+        with _dropout_replaced(multiply, self.fp32_attention):
             return super().forward(*inputs[: len(inputs) - n], targets)
 
 
 def wrap(
-    module: WithLoss, example: tuple[torch.Tensor, ...], keep_flags: bool = False
+    module: WithLoss, example: tuple[torch.Tensor, ...], keep_flags: bool = False, fp32_attention: bool = False
 ) -> tuple[nn.Module, list[DropoutMask]]:
     """`module` taking its dropout masks as inputs, and the masks it takes; `module` itself when it has none.
-    `keep_flags`: as find_masks."""
+    `keep_flags`: as find_masks; `fp32_attention`: attention_with_functional_dropout's `fp32_products`."""
     masks = find_masks(module, example, keep_flags)
-    return (WithLossAndMasks(module, masks), masks) if masks else (module, [])
+    return (WithLossAndMasks(module, masks, fp32_attention), masks) if masks else (module, [])

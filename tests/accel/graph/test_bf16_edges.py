@@ -8,6 +8,7 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ortflow.accel.graph import aten_gemm, bf16_edges, fed_dropout
 from ortflow.run.runner import build_data, build_model, train
@@ -119,13 +120,42 @@ def _autocast_input_dtypes(tmp_path) -> dict[str, torch.dtype]:
     return found
 
 
+def _autocast_attention_product_dtypes() -> set[torch.dtype]:
+    """The dtypes torch's attention multiplies in, in one eager training forward under CPU autocast (dropout on)."""
+    cfg = make_cfg(*LM)
+    model = build_model(cfg, build_data(cfg)).train()
+    found: set[torch.dtype] = set()
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
+                found.add(args[1].dtype if func is torch.ops.aten.baddbmm.default else args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), Products():
+        model(torch.randint(0, 256, (2, 16)))
+    return found
+
+
+def _gemms(model: onnx.ModelProto) -> dict[str, int]:
+    """How many forward GEMM nodes run in torch's bf16 (ATen) and in ORT's fp32 (MatMul, Gemm)."""
+    operators = [next((a.s.decode() for a in n.attribute if a.name == "operator"), n.op_type) for n in model.graph.node]
+    bf16 = sum(o in (aten_gemm.OPERATOR, bf16_edges.OPERATOR) for o in operators)
+    return {"bf16": bf16, "fp32": sum(o in ("MatMul", "Gemm") for o in operators)}
+
+
 # Both engines with dropout: the artifacts engine feeds the chain's mask as keep flags and a scale (graph inputs),
-# ORTModule's module takes keep flags and multiplies by a constant scale (fed_dropout.py).
-CASES = {"artifacts": [], "ortmodule": []}
+# ORTModule's module takes keep flags and multiplies by a constant scale (fed_dropout.py). ORTModule saves its graphs.
+CASES = {"artifacts": [], "ortmodule": ["debug=onnx"]}
+GRAPHS = {"artifacts": "forward.onnx", "ortmodule": "model_post_processed_training.onnx"}  # the forward graphs
 
 
 def test_no_edge_is_bf16_where_autocast_has_fp32_and_both_engines_train_the_same_with_it(tmp_path):
     eager = _autocast_input_dtypes(tmp_path)
+    # Torch's attention with dropout multiplies in fp32 under CPU autocast (its math path): so do both engines, the
+    # same GEMMs in bf16 and in fp32 (the attention's two products: ORTModule's written-out attention's einsums).
+    assert _autocast_attention_product_dtypes() == {torch.float32}
+    gemms = {}
     run_losses = {}
     for mode, extra in CASES.items():
         for edges in ("true", "false"):
@@ -136,6 +166,8 @@ def test_no_edge_is_bf16_where_autocast_has_fp32_and_both_engines_train_the_same
             fused = engine["graph_fixes"].get("bf16_edges_between_gemms", 0)
             assert fused == (1 if edges == "true" else 0), engine["graph_fixes"]  # TINY: one layer
             run_losses[mode, edges] = losses(run_dir)
+            if edges == "true":
+                gemms[mode] = _gemms(onnx.load(str(run_dir / "onnx" / GRAPHS[mode])))
             if mode == "artifacts":
                 graph = _edge_dtypes(onnx.load(str(run_dir / "onnx" / "training_model.onnx")))
                 bf16 = {m for m, t in graph.items() if t == onnx.TensorProto.BFLOAT16}
@@ -143,6 +175,7 @@ def test_no_edge_is_bf16_where_autocast_has_fp32_and_both_engines_train_the_same
                 for module in bf16:  # never bf16 where autocast hands the GEMM fp32 (the residual stream)
                     assert eager[module] == torch.bfloat16, (module, eager)
                 assert eager["transformer.layers.0.linear1"] == torch.float32  # after LayerNorm: fp32 in both
+    assert gemms["ortmodule"] == gemms["artifacts"] and gemms["artifacts"]["fp32"] >= 2, gemms
     for mode in CASES:  # the same masks and the same forward arithmetic: the same first loss, bit for bit
         fused, unfused = run_losses[mode, "true"], run_losses[mode, "false"]
         assert len(fused) == 4 and fused[0] == unfused[0], run_losses
