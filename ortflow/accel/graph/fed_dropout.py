@@ -54,20 +54,26 @@ def attention_with_functional_dropout(
     MatMuls (accel/graph/einsum.py), not as bf16 GEMMs (aten_gemm.py replaces matmul, not einsum). That is how torch
     computes this attention under CPU autocast: scaled_dot_product_attention with dropout takes its math path, which
     computes a bf16 query, key and value in fp32 (torch 2.6 to 2.14 alike), and so does the artifacts engine, whose
-    export keeps torch's own attention."""
+    export keeps torch's own attention. A boolean mask (is_causal's too) is then added as 0 and -inf, as that math path
+    adds it, rather than filled in with a Where over the scores."""
     if dropout_p == 0.0 or enable_gqa:
         return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     length, source = query.size(-2), key.size(-2)
     scores = torch.einsum("...qd,...kd->...qk", query, key) if fp32_products else query @ key.transpose(-2, -1)
     weights = scores * (1 / math.sqrt(query.size(-1)) if scale is None else scale)
-    if is_causal:
-        keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
-        weights = weights.masked_fill(keep.logical_not(), float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            weights = weights.masked_fill(attn_mask.logical_not(), float("-inf"))
+    masks = [torch.ones(length, source, dtype=torch.bool, device=query.device).tril()] if is_causal else []
+    masks += [] if attn_mask is None else [attn_mask]
+    for mask in masks:
+        if mask.dtype != torch.bool:
+            weights = weights + mask
+        elif (
+            fp32_products
+        ):  # as torch's math path applies it: an added -inf, no Where over the scores (nor its gradient)
+            weights = weights + torch.zeros(mask.shape, dtype=weights.dtype, device=mask.device).masked_fill(
+                mask.logical_not(), float("-inf")
+            )
         else:
-            weights = weights + attn_mask
+            weights = weights.masked_fill(mask.logical_not(), float("-inf"))
     weights = torch.nn.functional.dropout(torch.softmax(weights, dim=-1), dropout_p)
     return torch.einsum("...qk,...kd->...qd", weights, value) if fp32_products else weights @ value
 
