@@ -66,9 +66,8 @@ def attention_with_functional_dropout(
     for mask in masks:
         if mask.dtype != torch.bool:
             weights = weights + mask
-        elif (
-            fp32_products
-        ):  # as torch's math path applies it: an added -inf, no Where over the scores (nor its gradient)
+        elif fp32_products:
+            # as torch's math path applies it: an added -inf, no Where over the scores (nor in the gradient)
             weights = weights + torch.zeros(mask.shape, dtype=weights.dtype, device=mask.device).masked_fill(
                 mask.logical_not(), float("-inf")
             )
