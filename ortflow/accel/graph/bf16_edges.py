@@ -130,13 +130,18 @@ def _relu(z: str, readers: dict[str, list]) -> tuple[str, list[onnx.NodeProto]] 
     return mul.output[0], [greater, cast, mul]
 
 
+def _constant(constants: dict[str, Any], name: str) -> onnx.TensorProto | None:
+    """The value of `name` where it is a constant (a Constant node's output or an initializer)."""
+    found = constants.get(name)
+    if found is None or isinstance(found, onnx.TensorProto):
+        return found
+    return next(a.t for a in found.attribute if a.name == "value")
+
+
 def _zero(constants: dict[str, Any], names: Any) -> bool:
-    """Whether the one name given is a constant (a Constant node's output or an initializer) equal to 0."""
-    if len(names) != 1 or names[0] not in constants:
-        return False
-    found = constants[names[0]]
-    tensor = found if isinstance(found, onnx.TensorProto) else next(a.t for a in found.attribute if a.name == "value")
-    return bool((numpy_helper.to_array(tensor) == 0).all())
+    """Whether the one name given is a constant equal to 0."""
+    tensor = _constant(constants, names[0]) if len(names) == 1 else None
+    return tensor is not None and bool((numpy_helper.to_array(tensor) == 0).all())
 
 
 def _is_gemm(node: onnx.NodeProto | None) -> bool:
@@ -251,12 +256,9 @@ def _keep_flags(
 
 
 def _scalar(constants: dict[str, Any], name: str) -> bool:
-    """Whether `name` is a constant float scalar (a Constant node's output or an initializer)."""
-    if name not in constants:
-        return False
-    found = constants[name]
-    tensor = found if isinstance(found, onnx.TensorProto) else next(a.t for a in found.attribute if a.name == "value")
-    return tensor.data_type == TensorProto.FLOAT and numpy_helper.to_array(tensor).size == 1
+    """Whether `name` is a constant float scalar."""
+    tensor = _constant(constants, name)
+    return tensor is not None and tensor.data_type == TensorProto.FLOAT and numpy_helper.to_array(tensor).size == 1
 
 
 def _fuse(
