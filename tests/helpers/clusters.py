@@ -62,14 +62,15 @@ def _wait_gone(process: subprocess.Popen, timeout: float = 30) -> None:
         process.wait(10)
 
 
-def descendants(pid: int) -> list[int]:
-    """The processes below `pid` (read from /proc)."""
+def descendants(pid: int, alive_only: bool = False) -> list[int]:
+    """The processes below `pid` (read from /proc); with `alive_only`, not those that ended unreaped (zombies)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
+                state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+                if not (alive_only and state == "Z"):
+                    children.setdefault(int(ppid), []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

@@ -19,6 +19,7 @@ from ortflow.run import checkpoint
 from ortflow.run.runner import build_data, build_engine, build_model
 from ortflow.validate import problems
 from tests.conftest import REPO, TINY, USER_ENV, make_cfg, run_cli
+from tests.helpers import clusters
 
 MODES = ["none", "ortmodule", "artifacts"]
 INF_GRAD = [
@@ -249,20 +250,6 @@ def _alive(pid: int) -> bool:
     return found is not None and found[0] != "Z"  # a zombie has ended, waiting to be reaped
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes `pid` started, and theirs, still alive."""
-    parents: dict[int, int] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and (stat := _state_and_parent(int(proc.name))) and stat[0] != "Z":
-            parents[int(proc.name)] = stat[1]
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
 def _wait_for(condition, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -277,7 +264,7 @@ def test_the_processes_ortflow_starts_end_when_it_is_killed(tmp_path):
     args = [*TINY, "trainer.max_steps=100000", "distributed=ddp", f"hydra.run.dir={run_dir}"]
     parent = subprocess.Popen([sys.executable, "-m", "ortflow", *args], cwd=tmp_path, stderr=subprocess.DEVNULL)
     _wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0)
-    started = _descendants(parent.pid)
+    started = clusters.descendants(parent.pid, alive_only=True)
     assert len(started) >= 3  # the rank fork server and its 2 ranks
     parent.kill()
     parent.wait()
