@@ -16,7 +16,9 @@ from omegaconf import DictConfig
 
 from ortflow import distributed
 from ortflow.errors import OrtflowError
+from ortflow.files import read_record, write_json_atomic
 from ortflow.run import rank_server
+from ortflow.run.metadata import now
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,7 @@ def run_torchrun(
             codes = {f.exitcode for f in err.failures.values()}
             if codes <= {128 + signal.SIGTERM}:  # ranks that stopped on SIGTERM after their checkpoint have not failed
                 return 1
+            record_rank_failure(run_dir, {rank: f.exitcode for rank, f in err.failures.items()})
             if USER_ERROR in codes and codes <= {USER_ERROR, 128 + signal.SIGTERM, -signal.SIGTERM}:
                 return USER_ERROR  # a user's error (its paragraph printed by the rank), the others stopped with it
             print(err.format_msg(), file=sys.stderr, flush=True)
@@ -146,6 +149,22 @@ def run_torchrun(
             log.error("the launch failed: %s", err)
             return 1
     return 0
+
+
+def record_rank_failure(run_dir: Path, exit_codes: dict[int, int]) -> None:
+    """A rank failed and torchrun's agent stopped the others (SIGTERM): rank 0's run.json then says how rank 0
+    stopped, "interrupted" (outside its steps), "preempted" (a checkpoint after its step) or still "running" (ended
+    inside a collective, where its record cannot be written). The run failed: recorded so, naming the ranks that
+    failed (a checkpoint rank 0 wrote stays named in the record). A record that already says "failed" is kept."""
+    record = read_record(run_dir)
+    if record is None or record.get("status") not in ("running", "interrupted", "preempted"):
+        return
+    failed = ", ".join(f"rank {rank} exited with status {code}" for rank, code in sorted(exit_codes.items()))
+    record |= {"status": "failed", "finished": now(), "error": f"a rank failed: {failed}"}
+    try:
+        write_json_atomic(run_dir / "run.json", record)
+    except OrtflowError as err:
+        log.error("run.json could not record that a rank failed: %s", err)
 
 
 def rank_environ(cfg: DictConfig) -> dict[str, str]:

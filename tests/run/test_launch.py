@@ -28,6 +28,20 @@ def test_a_rank_forked_from_a_process_with_two_threads_stops_as_a_bug(monkeypatc
     rank_server.check_forked_alone()
 
 
+@pytest.mark.parametrize("status", ["running", "interrupted", "preempted", "failed", "completed"])
+def test_a_failed_rank_leaves_the_run_recorded_as_failed(tmp_path, status):
+    before = {"status": status, "checkpoint": "checkpoints/step-3.pt", "error": "rank 0's own"}
+    (tmp_path / "run.json").write_text(json.dumps(before))
+    launch.record_rank_failure(tmp_path, {1: 1, 0: -15})
+    after = json.loads((tmp_path / "run.json").read_text())
+    if status in ("failed", "completed"):  # rank 0's own record of how the run ended
+        assert after == before
+    else:  # how the agent stopped rank 0 is not how the run ended
+        assert after["status"] == "failed" and after["checkpoint"] == before["checkpoint"]
+        assert after["error"] == "a rank failed: rank 0 exited with status -15, rank 1 exited with status 1"
+    launch.record_rank_failure(tmp_path / "elsewhere", {1: 1})  # no run.json there (another node's): nothing
+
+
 def test_a_ranks_environment_is_the_commands_plus_what_the_agent_set(monkeypatch):
     monkeypatch.setattr(rank_server, "BASE_ENVIRON", {"HOME": "/h", "STALE": "server's", "RANK": "0"})
     monkeypatch.setattr(os, "environ", {"HOME": "/h", "STALE": "server's", "RANK": "1", "MASTER_PORT": "29500"})
