@@ -26,7 +26,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.accel.graph import aten_gemm, aten_nodes, aten_relu, aten_shapes
+from ortflow.accel.graph import aten_gemm, aten_nodes, aten_relu, aten_shapes, onnx_values
 from ortflow.accel.graph import plan as graph_plan
 from ortflow.config import BF16
 
@@ -130,17 +130,9 @@ def _relu(z: str, readers: dict[str, list]) -> tuple[str, list[onnx.NodeProto]] 
     return mul.output[0], [greater, cast, mul]
 
 
-def _constant(constants: dict[str, Any], name: str) -> onnx.TensorProto | None:
-    """The value of `name` where it is a constant (a Constant node's output or an initializer)."""
-    found = constants.get(name)
-    if found is None or isinstance(found, onnx.TensorProto):
-        return found
-    return next(a.t for a in found.attribute if a.name == "value")
-
-
-def _zero(constants: dict[str, Any], names: Any) -> bool:
+def _zero(constants: dict[str, onnx.TensorProto], names: Any) -> bool:
     """Whether the one name given is a constant equal to 0."""
-    tensor = _constant(constants, names[0]) if len(names) == 1 else None
+    tensor = constants.get(names[0]) if len(names) == 1 else None
     return tensor is not None and bool((numpy_helper.to_array(tensor) == 0).all())
 
 
@@ -161,8 +153,7 @@ def gemm_relu_chains(model: onnx.ModelProto, masks: list | None = None) -> int:
     types = {v.name: v.type.tensor_type.elem_type for v in graph.input}
     readers = _readers(graph)
     producers = {name: node for node in graph.node for name in node.output}
-    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
-    constants |= {i.name: i for i in graph.initializer}
+    constants = onnx_values.constants(graph)
     removed: set[int] = set()
     changed = 0
     before: dict[int, list[onnx.NodeProto]] = {}  # Constants to place before a fused node (empty mask, scale)
@@ -196,7 +187,7 @@ def _chain(
     first: onnx.NodeProto,
     readers: dict[str, list[onnx.NodeProto]],
     producers: dict[str, onnx.NodeProto],
-    constants: dict[str, Any],
+    constants: dict[str, onnx.TensorProto],
     types: dict[str, int],
     fed: dict[str, int] | None,
 ) -> tuple[str, str, list[onnx.NodeProto], onnx.NodeProto] | None:
@@ -232,7 +223,7 @@ def _keep_flags(
     name: str,
     readers: dict[str, list[onnx.NodeProto]],
     producers: dict[str, onnx.NodeProto],
-    constants: dict[str, Any],
+    constants: dict[str, onnx.TensorProto],
     types: dict[str, int],
 ) -> tuple[str, str, list[onnx.NodeProto]] | None:
     """Where `name` is `Cast(keep) * scale` (ORTModule's keep flags: fed_dropout.py), each read once, with `keep` a
@@ -249,15 +240,15 @@ def _keep_flags(
             and types.get(cast.input[0]) == TensorProto.UINT8
             and _only(readers, cast_out) is mul
             and _scalar(constants, scale)
-            and (isinstance(constants[scale], onnx.TensorProto) or _only(readers, scale) is mul)  # movable
+            and (scale not in producers or _only(readers, scale) is mul)  # an initializer, or a movable Constant
         ):
             return cast.input[0], scale, [cast, mul]
     return None
 
 
-def _scalar(constants: dict[str, Any], name: str) -> bool:
+def _scalar(constants: dict[str, onnx.TensorProto], name: str) -> bool:
     """Whether `name` is a constant float scalar."""
-    tensor = _constant(constants, name)
+    tensor = constants.get(name)
     return tensor is not None and tensor.data_type == TensorProto.FLOAT and numpy_helper.to_array(tensor).size == 1
 
 

@@ -31,7 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortflow.accel.compat import ort
 from ortflow.accel.graph import plan as graph_plan
-from ortflow.accel.graph.onnx_values import attribute, value_types
+from ortflow.accel.graph.onnx_values import attribute, constant_values, value_types
 from ortflow.errors import ModelError
 
 Definition = Callable[[], list[tuple]]
@@ -155,14 +155,6 @@ def _drop(node: onnx.NodeProto, attribute: str) -> None:
     node.attribute.extend(kept)
 
 
-def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    values = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
-    return values
-
-
 class _Writer:
     """Nodes replacing one node, named after it."""
 
@@ -259,7 +251,7 @@ def prepare(model: onnx.ModelProto) -> int:
     if not any(n.op_type in ours and n.domain in ("", "ai.onnx") for n in graph.node):
         return 0
     types = value_types(model)
-    constants = _constants(graph)
+    constants = constant_values(graph)
     nodes: list[onnx.NodeProto] = []
     count = 0
     for node in graph.node:

@@ -2,8 +2,9 @@
 
 from typing import Any
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
@@ -17,6 +18,21 @@ def attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
     """A node's attribute `name` as a Python value (ints, floats, bytes, lists, tensors), or `default` if absent."""
     found = next((a for a in node.attribute if a.name == name), None)
     return default if found is None else helper.get_attribute_value(found)
+
+
+def constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """The graph's constants by name, as stored (nothing converted): its initializers and its Constant nodes' `value`
+    tensors."""
+    found = {init.name: init for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and (value := attribute(node, "value")) is not None:
+            found[node.output[0]] = value
+    return found
+
+
+def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """`constants`, each as a numpy array."""
+    return {name: numpy_helper.to_array(tensor) for name, tensor in constants(graph).items()}
 
 
 def readers(graph: onnx.GraphProto) -> dict[str, int]:

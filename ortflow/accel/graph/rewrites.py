@@ -19,22 +19,12 @@ from ortflow.accel.compat import ort
 from ortflow.accel.graph import aten_nodes
 from ortflow.accel.graph import plan as graph_plan
 from ortflow.accel.graph.masks import DropoutMask
-from ortflow.accel.graph.onnx_values import attribute, readers, value_types
+from ortflow.accel.graph.onnx_values import attribute, constant_values, readers, value_types
 
 log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------- helpers
-def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    values = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant":
-            for attr in node.attribute:
-                if attr.name == "value":
-                    values[node.output[0]] = numpy_helper.to_array(attr.t)
-    return values
-
-
 def _const(nodes: list[onnx.NodeProto], name: str, value: np.ndarray) -> str:
     nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value)))
     return name
@@ -74,7 +64,7 @@ def attention_dropout_in_training_mode(model: onnx.ModelProto) -> int:
     drops attention weights. Every other dropout torch exports in training mode carries training_mode = True.
     """
     graph = model.graph
-    constants = _constants(graph)
+    constants = constant_values(graph)
     nodes: list[onnx.NodeProto] = []
     changed = 0
     for node in graph.node:
@@ -193,7 +183,7 @@ def constant_gathers_to_slices(model: onnx.ModelProto) -> int:
     plain copy. Gathers on shapes (Shape -> Gather) are left alone; they are tiny and feed shape inference.
     """
     graph = model.graph
-    constants = _constants(graph)
+    constants = constant_values(graph)
     producer = {out: node.op_type for node in graph.node for out in node.output}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     nodes: list[onnx.NodeProto] = []
@@ -262,7 +252,7 @@ def small_embeddings_to_onehot_matmul(model: onnx.ModelProto, max_vocab: int) ->
     """
     graph = model.graph
     weights = {i.name: i for i in graph.initializer}
-    constants = _constants(graph)
+    constants = constant_values(graph)
     nodes: list[onnx.NodeProto] = []
     changed = 0
     for node in graph.node:
@@ -317,7 +307,7 @@ def dropout_to_mask_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray] 
     known (from shape inference or, given `feeds`, one run), or its own mask output is used by another node.
     """
     graph = model.graph
-    constants = _constants(graph)
+    constants = constant_values(graph)
     types = value_types(model)
     used = readers(graph)
     dropouts = [n.input[0] for n in graph.node if n.op_type == "Dropout"]
