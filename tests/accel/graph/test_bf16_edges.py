@@ -107,34 +107,26 @@ def _edge_dtypes(model: onnx.ModelProto) -> dict[str, int]:
     return found
 
 
-def _autocast_input_dtypes(tmp_path) -> dict[str, torch.dtype]:
-    """The dtype of every nn.Linear's input in one eager training forward under CPU autocast."""
+def _autocast_dtypes() -> tuple[dict[str, torch.dtype], set[torch.dtype]]:
+    """In one eager training forward under CPU autocast (dropout on): the dtype of every nn.Linear's input, and the
+    dtypes torch's attention multiplies in (its bmm's)."""
     cfg = make_cfg(*LM)
     model = build_model(cfg, build_data(cfg)).train()
-    found: dict[str, torch.dtype] = {}
+    inputs: dict[str, torch.dtype] = {}
+    products: set[torch.dtype] = set()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
-            module.register_forward_pre_hook(lambda m, args, name=name: found.__setitem__(name, args[0].dtype))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(torch.randint(0, 256, (2, 16)))
-    return found
-
-
-def _autocast_attention_product_dtypes() -> set[torch.dtype]:
-    """The dtypes torch's attention multiplies in, in one eager training forward under CPU autocast (dropout on)."""
-    cfg = make_cfg(*LM)
-    model = build_model(cfg, build_data(cfg)).train()
-    found: set[torch.dtype] = set()
+            module.register_forward_pre_hook(lambda m, args, name=name: inputs.__setitem__(name, args[0].dtype))
 
     class Products(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
-                found.add(args[1].dtype if func is torch.ops.aten.baddbmm.default else args[0].dtype)
+                products.add(args[1].dtype if func is torch.ops.aten.baddbmm.default else args[0].dtype)
             return func(*args, **(kwargs or {}))
 
     with torch.autocast("cpu", dtype=torch.bfloat16), Products():
         model(torch.randint(0, 256, (2, 16)))
-    return found
+    return inputs, products
 
 
 def _gemms(model: onnx.ModelProto) -> dict[str, int]:
@@ -151,10 +143,10 @@ GRAPHS = {"artifacts": "forward.onnx", "ortmodule": "model_post_processed_traini
 
 
 def test_no_edge_is_bf16_where_autocast_has_fp32_and_both_engines_train_the_same_with_it(tmp_path):
-    eager = _autocast_input_dtypes(tmp_path)
+    eager, products = _autocast_dtypes()
     # Torch's attention with dropout multiplies in fp32 under CPU autocast (its math path): so do both engines, the
     # same GEMMs in bf16 and in fp32 (the attention's two products: ORTModule's written-out attention's einsums).
-    assert _autocast_attention_product_dtypes() == {torch.float32}
+    assert products == {torch.float32}
     gemms = {}
     run_losses = {}
     for mode, extra in CASES.items():
