@@ -24,7 +24,7 @@ from torch import nn
 from ortflow.accel import failures, torch_adamw
 from ortflow.accel.compat import export_warnings, ort, torch_onnx, versions
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
-from ortflow.accel.graph import aten_cross_entropy, aten_nodes, batchnorm, bf16_weights, pipeline
+from ortflow.accel.graph import aten_cross_entropy, aten_nodes, batchnorm, bf16_maps, bf16_weights, pipeline
 from ortflow.accel.graph import plan as graph_plan
 from ortflow.accel.graph.masks import MaskSampler
 from ortflow.accel.graph.plan import GraphSettings
@@ -329,6 +329,9 @@ class ArtifactsEngine:
         eval_model = onnx.load(str(eval_path))
         if any(node.op_type == "BatchNormalization" for node in forward.graph.node):
             self.graph_fixes["eval_batchnorm_outputs"] = batchnorm.inference_batch_norms(eval_model)
+            onnx.save(eval_model, str(eval_path))
+        if changed := bf16_maps.eval_batch_norms(eval_model):  # bf16 BatchNorms: their eval form
+            self.graph_fixes["eval_batchnorms_bf16"] = changed
             onnx.save(eval_model, str(eval_path))
         optimizer_model = onnx.load(str(onnx_dir / "optimizer_model.onnx"))
         self.graphs_portable = pipeline.portable(training_model, eval_model, optimizer_model)

@@ -45,6 +45,9 @@ class AtenOp:
     # Its output shapes for ORT's symbolic shape inference (ORTModule), as `handler(inference, node)`
     # (accel/graph/aten_shapes.py); None: ORT's own rule, or the node never reaches that inference.
     shape: Callable[[Any, Any], None] | None = None
+    # The gradient node's inputs as declared (GO(k), I(k), O(k)): a gradient output whose forward input the gradient
+    # node reads gets that input's type (type_gradient_outputs).
+    gradient_inputs: tuple[str, ...] = ()
 
 
 OPS: dict[str, AtenOp] = {}
@@ -83,7 +86,8 @@ def declare(
     registry has it), returning the gradients of the first `gradients` inputs. `optional`: AtenOp's other fields
     (overload, frozen_input, bf16_input, shape)."""
     gradient = None if gradient_inputs is None else one_node_gradient(backward, gradient_inputs, gradients)
-    op = AtenOp(forward, backward, differentiable, mask_input, gradient, fix_name, **optional)
+    inputs = tuple(gradient_inputs or ())
+    op = AtenOp(forward, backward, differentiable, mask_input, gradient, fix_name, gradient_inputs=inputs, **optional)
     register(op)
     return op
 
@@ -158,8 +162,8 @@ def _elem_types(graph: onnx.GraphProto) -> dict[str, int]:
 
 def type_gradient_outputs(model: onnx.ModelProto) -> int:
     """Declare the types of the registered gradient nodes' outputs in a training graph: each the type of the forward
-    input it is the gradient of (found through the forward outputs the gradient node reads), else that of the
-    gradient it receives (its first input). Returns how many it declared."""
+    input it is the gradient of (read by the gradient node itself, or found through the forward outputs it reads),
+    else that of the gradient it receives (its first input). Returns how many it declared."""
     graph = model.graph
     backward = {op.backward: op for op in OPS.values()}
     typed = _elem_types(graph)
@@ -175,7 +179,10 @@ def type_gradient_outputs(model: onnx.ModelProto) -> int:
             if not name or typed.get(name):
                 continue
             elem = incoming
-            if source is not None and operator(source) == op.forward and k < len(op.differentiable):
+            read = f"I({op.differentiable[k]})" if k < len(op.differentiable) else None
+            if read in op.gradient_inputs and len(node.input) > op.gradient_inputs.index(read):
+                elem = typed.get(node.input[op.gradient_inputs.index(read)]) or incoming
+            elif source is not None and operator(source) == op.forward and k < len(op.differentiable):
                 elem = typed.get(source.input[op.differentiable[k]]) or incoming
             graph.value_info.append(onnx.helper.make_empty_tensor_value_info(name))
             graph.value_info[-1].type.tensor_type.elem_type = elem

@@ -98,9 +98,10 @@ class GraphSettings:
     # ~95 ms for torch's on a 2-core Zen 5. null: on with trainer.precision=bf16-mixed, off in fp32.
     aten_cross_entropy: bool | None = None
     # bf16 handed from one bf16 GEMM to the next through a ReLU and a dropout mask (a transformer's feed-forward
-    # block), the ReLU and the mask then run by torch (accel/graph/bf16_edges.py), as autocast hands bf16 along:
-    # four conversions of the block's widest tensor less per step. null: on with trainer.precision=bf16-mixed; fp32
-    # has no bf16 edges.
+    # block), the ReLU and the mask then run by torch (accel/graph/bf16_edges.py), and a CNN's feature maps from
+    # convolution to convolution through BatchNorm, ReLU, residual adds and pooling run by torch on bf16
+    # (accel/graph/bf16_maps.py), as autocast hands bf16 along: the vision recipe converted 48x eager bf16's volume a
+    # step without it, 1.0x with it. null: on with trainer.precision=bf16-mixed; fp32 has no bf16 edges.
     bf16_edges: bool | None = None
 
 

@@ -1,0 +1,518 @@
+"""bf16 feature maps handed from one torch convolution to the next (`trainer.precision=bf16-mixed`,
+`accel.bf16_edges`): a CNN's conv -> BatchNorm -> ReLU -> conv chains and residual adds in bf16, as autocast runs them.
+
+Why: every bf16 convolution node (accel/graph/aten_conv.py) takes fp32, rounds it to bf16 inside and returns fp32,
+and ORT's BatchNorm, ReLU and Add between two convolutions have no bf16 kernels. So each feature map was converted
+five times a step (the convolution's output, its input twice, its output's gradient, its input's gradient) where
+eager autocast converts none: under CPU autocast a convolution returns bf16, and batch_norm, relu, an add of two bf16
+tensors and adaptive average pooling keep bf16 bf16. On the vision recipe that was 48 times eager's conversion volume.
+
+How (the rewrite `feature_maps`, on the exported forward graph after the other rewrites): every bf16 convolution
+node returns its product in bf16 (`ortflow::convolution_bf16_maps`; its input may arrive fp32, the image, or bf16),
+and the nodes that follow it while autocast keeps bf16 become torch-kernel nodes on bf16:
+- BatchNormalization -> `ortflow::batch_norm_bf16`: torch's mixed-precision batch norm (bf16 input, fp32 weight,
+  bias and statistics), which in training writes the batch mean and biased variance into the running-statistics
+  tensors it is given, in place, as ORT's own kernel does under ortflow's momentum 0 (accel/graph/batchnorm.py keeps
+  torch's update from them); its eval form (`ortflow::batch_norm_bf16_eval`) normalises with the running statistics;
+- Relu -> `ortflow::relu` on bf16 (accel/graph/aten_relu.py);
+- Add of two bf16 maps of one shape -> `ortflow::add_bf16`, with the ReLU that reads it taken in (a ResNet block's
+  end);
+- GlobalAveragePool of a 4-D map -> `ortflow::global_average_pool_bf16` (ORTModule's `_adaptive_avg_pool2d` ATen node
+  takes bf16 as it is).
+A bf16 map read by two nodes that need its gradient is first split by `ortflow::fork_bf16`, whose gradient node adds
+the two gradients in bf16 (ORT would add them with a Sum that has no bf16 kernel); every other reader gets the map
+in fp32 from `ortflow::float_of_bf16`, where autocast converts too. Weights, biases, statistics and their gradients
+stay fp32.
+
+Every reader of a map is a torch-kernel node (ORT's Shape aside): the forks and the convolutions' saved inputs are
+the map itself, not copies, and where an ORT Cast read a fork's output instead, the convolutions reading the same map
+got weight gradients ~100% off in the artifacts engine (ORT evidently wrote into the memory the aliases share); with
+the conversion in torch they are eager's (tests/accel/graph/test_bf16_maps.py).
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+import torch
+from onnx import TensorProto, helper
+
+from ortflow.accel.graph import aten_conv, aten_nodes, aten_relu, aten_shapes, onnx_values
+
+CONVOLUTION = "ortflow::convolution_bf16_maps"
+CONVOLUTION_BACKWARD = "ortflow::convolution_bf16_maps_backward"
+BATCH_NORM = "ortflow::batch_norm_bf16"
+BATCH_NORM_EVAL = "ortflow::batch_norm_bf16_eval"
+BATCH_NORM_BACKWARD = "ortflow::batch_norm_bf16_backward"
+ADD = "ortflow::add_bf16"
+ADD_BACKWARD = "ortflow::add_bf16_backward"
+FORK = "ortflow::fork_bf16"
+FORK_BACKWARD = "ortflow::fork_bf16_backward"
+POOL = "ortflow::global_average_pool_bf16"
+TO_FLOAT = "ortflow::float_of_bf16"
+TO_FLOAT_BACKWARD = "ortflow::float_of_bf16_backward"
+POOL_BACKWARD = "ortflow::global_average_pool_bf16_backward"
+
+_LIBRARY = torch.library.Library("ortflow", "FRAGMENT")
+_CONV_ARGS = (
+    "Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, bool transposed, "
+    "int[] output_padding, int groups, bool[] output_mask"
+)
+_NORM_ARGS = "Tensor input, Tensor weight, Tensor bias, Tensor running_mean, Tensor running_var, float eps"
+_LIBRARY.define(f"convolution_bf16_maps({_CONV_ARGS}) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.define(f"convolution_bf16_maps_backward(Tensor grad_output, {_CONV_ARGS}) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.define(f"batch_norm_bf16({_NORM_ARGS}, bool[] output_mask) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.define(f"batch_norm_bf16_eval({_NORM_ARGS}, bool[] output_mask) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.define(
+    "batch_norm_bf16_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor save_mean, Tensor save_invstd, "
+    "float eps, bool[] output_mask) -> (Tensor, Tensor, Tensor)"
+)
+_LIBRARY.define("add_bf16(Tensor a, Tensor b, bool relu, bool[] output_mask) -> Tensor")
+_LIBRARY.define(
+    "add_bf16_backward(Tensor grad_output, Tensor result, bool relu, bool[] output_mask) -> (Tensor, Tensor)"
+)
+_LIBRARY.define("fork_bf16(Tensor x) -> (Tensor, Tensor)")
+_LIBRARY.define("fork_bf16_backward(Tensor grad_a, Tensor grad_b) -> Tensor")
+_LIBRARY.define("global_average_pool_bf16(Tensor x) -> Tensor")
+_LIBRARY.define("float_of_bf16(Tensor x) -> Tensor")
+_LIBRARY.define("float_of_bf16_backward(Tensor grad_output) -> Tensor")
+_LIBRARY.define("global_average_pool_bf16_backward(Tensor grad_output, Tensor x) -> Tensor")
+
+
+def _bf16(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(torch.bfloat16)
+
+
+def _float(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.float()
+
+
+def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, output_mask):
+    """The convolution of bf16 copies (autocast's), returned in bf16, and the copies of input and weight, which the
+    gradient node takes (no copy of an input that arrives bf16; each converted once per step, as autocast does)."""
+    args = (stride, padding, dilation, transposed, output_padding, groups)
+    input16, weight16 = _bf16(input), _bf16(weight)
+    return torch.ops.aten.convolution(input16, weight16, _bf16(bias), *args), input16, weight16
+
+
+def _convolution_backward(
+    grad_output, input16, weight16, bias, stride, padding, dilation, transposed, output_padding, groups, output_mask
+):
+    """Its gradients from the bf16 gradient, as autocast's convolution_backward computes them (the bias's summed by
+    the kernel in bf16): the input's in bf16 where it arrived bf16 (`output_mask[3]`), the others in fp32."""
+    args = (stride, padding, dilation, transposed, output_padding, groups)
+    grad_input, grad_weight, grad_bias = torch.ops.ortflow.convolution_backward(
+        grad_output, input16, weight16, _bf16(bias), *args, output_mask[:3]
+    )
+    if grad_input is not None and not output_mask[3]:
+        grad_input = grad_input.float()
+    return grad_input, _float(grad_weight), _float(grad_bias)
+
+
+def _batch_norm(input, weight, bias, running_mean, running_var, eps, output_mask):
+    """Training: torch's batch norm of the bf16 input with the batch's statistics, and the batch mean and biased
+    variance written into `running_mean` and `running_var` (momentum 1 writes the unbiased variance; rescaled)."""
+    out, mean, invstd = torch.ops.aten.native_batch_norm(input, weight, bias, running_mean, running_var, True, 1.0, eps)
+    count = input.numel() // input.size(1)
+    running_var.mul_((count - 1) / count)
+    return out, mean, invstd
+
+
+def _batch_norm_eval(input, weight, bias, running_mean, running_var, eps, output_mask):
+    """Evaluation: normalised with the running statistics, which stay as they are."""
+    return torch.ops.aten.native_batch_norm(input, weight, bias, running_mean, running_var, False, 0.0, eps)
+
+
+def _batch_norm_backward(grad_output, input, weight, save_mean, save_invstd, eps, output_mask):
+    mask = [bool(m) for m in output_mask]
+    return torch.ops.aten.native_batch_norm_backward(
+        grad_output, input, weight, None, None, save_mean, save_invstd, True, eps, mask
+    )
+
+
+def _add(a, b, relu: bool, output_mask):
+    out = a + b
+    return out.relu_() if relu else out
+
+
+def _add_backward(grad_output, result, relu: bool, output_mask):
+    """Both inputs' gradient: the same tensor twice (nothing downstream writes into it); a copy where it would be the
+    incoming gradient itself, which ORT may reuse."""
+    grad = torch.ops.aten.threshold_backward(grad_output, result, 0) if relu else grad_output.clone()
+    return (grad if output_mask[0] else None), (grad if output_mask[1] else None)
+
+
+def _fork(x):
+    """The map for two readers: x itself twice (torch-kernel outputs, which ORT never reuses)."""
+    return x, x
+
+
+def _fork_backward(grad_a, grad_b):
+    return grad_a + grad_b  # bf16, as autograd adds the gradients of a bf16 tensor read twice
+
+
+def _pool(x):
+    return torch.ops.aten.adaptive_avg_pool2d(x, [1, 1])  # torch: the mean over H and W, in bf16
+
+
+def _pool_backward(grad_output, x):
+    return grad_output.expand(x.shape) / (x.size(2) * x.size(3))  # the mean's gradient, as autograd's
+
+
+def _to_float(x):
+    return x.float()
+
+
+def _to_float_backward(grad_output):
+    return grad_output.to(torch.bfloat16)
+
+
+for _name, _function in (
+    ("float_of_bf16", _to_float),
+    ("float_of_bf16_backward", _to_float_backward),
+    ("convolution_bf16_maps", _convolution),
+    ("convolution_bf16_maps_backward", _convolution_backward),
+    ("batch_norm_bf16", _batch_norm),
+    ("batch_norm_bf16_eval", _batch_norm_eval),
+    ("batch_norm_bf16_backward", _batch_norm_backward),
+    ("add_bf16", _add),
+    ("add_bf16_backward", _add_backward),
+    ("fork_bf16", _fork),
+    ("fork_bf16_backward", _fork_backward),
+    ("global_average_pool_bf16", _pool),
+    ("global_average_pool_bf16_backward", _pool_backward),
+):
+    _LIBRARY.impl(_name, _function, "CPU")
+
+
+def _convolution_shape(inference: Any, node: Any) -> None:
+    aten_shapes.convolution_shape(inference, node)
+    inference.known_vi_[node.output[0]].type.tensor_type.elem_type = TensorProto.BFLOAT16
+    aten_shapes._set(inference, node, 1, TensorProto.BFLOAT16, inference._get_sympy_shape(node, 0))
+    aten_shapes._set(inference, node, 2, TensorProto.BFLOAT16, inference._get_sympy_shape(node, 1))
+
+
+def _batch_norm_shape(inference: Any, node: Any) -> None:
+    x = inference._get_sympy_shape(node, 0)
+    aten_shapes._set(inference, node, 0, TensorProto.BFLOAT16, x)
+    aten_shapes._set(inference, node, 1, TensorProto.FLOAT, [x[1]])
+    aten_shapes._set(inference, node, 2, TensorProto.FLOAT, [x[1]])
+
+
+def _fork_shape(inference: Any, node: Any) -> None:
+    x = inference._get_sympy_shape(node, 0)
+    aten_shapes._set(inference, node, 0, TensorProto.BFLOAT16, x)
+    aten_shapes._set(inference, node, 1, TensorProto.BFLOAT16, x)
+
+
+def _to_float_shape(inference: Any, node: Any) -> None:
+    aten_shapes._set(inference, node, 0, TensorProto.FLOAT, inference._get_sympy_shape(node, 0))
+
+
+def _pool_shape(inference: Any, node: Any) -> None:
+    x = inference._get_sympy_shape(node, 0)
+    aten_shapes._set(inference, node, 0, TensorProto.BFLOAT16, [*x[:2], 1, 1])
+
+
+# The gradient node reads GO(0) (bf16), the forward's bf16 copies of input and weight, and its other inputs.
+aten_nodes.declare(
+    CONVOLUTION,
+    CONVOLUTION_BACKWARD,
+    ["GO(0)", "O(1)", "O(2)", *(f"I({i})" for i in range(2, 10))],
+    differentiable=(0, 1, 2),
+    mask_input=9,
+    fix_name="convolutions_run_by_torch_bf16",
+    bf16_input=0,
+    shape=_convolution_shape,
+)
+for _forward in (BATCH_NORM, BATCH_NORM_EVAL):
+    aten_nodes.declare(
+        _forward,
+        BATCH_NORM_BACKWARD,
+        ["GO(0)", "I(0)", "I(1)", "O(1)", "O(2)", "I(5)", "I(6)"],
+        differentiable=(0, 1, 2),
+        mask_input=6,
+        fix_name="batchnorms_run_by_torch_bf16",
+        shape=_batch_norm_shape,
+    )
+aten_nodes.declare(
+    ADD,
+    ADD_BACKWARD,
+    ["GO(0)", "O(0)", "I(2)", "I(3)"],
+    gradients=2,
+    differentiable=(0, 1),
+    mask_input=3,
+    fix_name="adds_run_by_torch_bf16",
+    shape=aten_shapes.same_shape,
+)
+aten_nodes.declare(
+    FORK,
+    FORK_BACKWARD,
+    ["GO(0)", "GO(1)"],
+    gradients=1,
+    differentiable=(0,),
+    mask_input=None,
+    fix_name="bf16_maps_read_twice",
+    shape=_fork_shape,
+)
+aten_nodes.declare(
+    POOL,
+    POOL_BACKWARD,
+    ["GO(0)", "I(0)"],
+    gradients=1,
+    differentiable=(0,),
+    mask_input=None,
+    fix_name="poolings_run_by_torch_bf16",
+    shape=_pool_shape,
+)
+
+
+aten_nodes.declare(
+    TO_FLOAT,
+    TO_FLOAT_BACKWARD,
+    ["GO(0)"],
+    gradients=1,
+    differentiable=(0,),
+    mask_input=None,
+    fix_name="bf16_maps_to_fp32",
+    shape=_to_float_shape,
+)
+
+
+@dataclass
+class _Rewrite:
+    """What becomes of one node: `kind` (its new form), and for an Add the ReLU it takes in."""
+
+    kind: str
+    relu: onnx.NodeProto | None = None
+
+
+def _is_relu(node: onnx.NodeProto | None) -> bool:
+    return node is not None and (node.op_type == "Relu" or aten_nodes.operator(node) == aten_relu.OPERATOR)
+
+
+def _accepts(node: onnx.NodeProto, index: int, plan: dict[int, _Rewrite]) -> bool:
+    """Whether `node`, as rewritten, takes a bf16 map at input `index` (every rewritten node takes one at its first
+    input, an Add at both)."""
+    found = plan.get(id(node))
+    return found is not None and (index == 0 or (found.kind == "add" and index == 1))
+
+
+def feature_maps(model: onnx.ModelProto, statistics_by_host: bool) -> int:
+    """Hand bf16 feature maps from torch convolution to torch convolution (module docstring). `statistics_by_host`:
+    BatchNorm's running statistics are kept by the host from the batch statistics the graph writes in place (the
+    plan's host path); otherwise its BatchNorms stay ORT's, in fp32. Returns how many nodes now run on bf16 maps."""
+    graph = model.graph
+    if not any(aten_nodes.operator(node) == aten_conv.OPERATOR_BF16 for node in graph.node):
+        return 0
+    types = onnx_values.value_types(model)
+    produced = {name for node in graph.node for name in node.output if name}
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node, index))
+    outputs = {value.name for value in graph.output}
+    plan: dict[int, _Rewrite] = {}
+    maps: set[str] = set()  # values that become bf16
+    for node in graph.node:
+        found = _decide(node, maps, types, produced, readers, outputs, statistics_by_host)
+        if found is None:
+            continue
+        plan[id(node)] = found
+        maps.add((found.relu or node).output[0])
+    if not maps:
+        return 0
+    _write(model, plan, maps, readers, outputs, types)
+    aten_nodes.import_domain(model)
+    return len(plan) + sum(1 for node in graph.node if aten_nodes.operator(node) == FORK)
+
+
+def _decide(
+    node: onnx.NodeProto,
+    maps: set[str],
+    types: dict[str, onnx.TypeProto],
+    produced: set[str],
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]],
+    outputs: set[str],
+    statistics_by_host: bool,
+) -> _Rewrite | None:
+    operator = aten_nodes.operator(node)
+    if operator == aten_conv.OPERATOR_BF16:
+        return _Rewrite("convolution")
+    if not node.input or node.input[0] not in maps:
+        return None
+    if node.op_type == "BatchNormalization":
+        training = onnx_values.attribute(node, "training_mode", 0) == 1
+        statistics = node.input[3:5]
+        if (
+            len(statistics) == 2
+            and not any(name in produced for name in statistics)  # the module's buffers, not computed ones
+            and not any(readers.get(name) for name in node.output[1:] if name)
+            and (statistics_by_host or not training)
+        ):
+            return _Rewrite("batch_norm" if training else "batch_norm_eval")
+        return None
+    if _is_relu(node):
+        return _Rewrite("relu")
+    if node.op_type == "Add" and len(node.input) == 2 and node.input[1] in maps:
+        a, b = (types.get(name) for name in node.input)
+        if a is None or b is None or _dims(a) is None or _dims(a) != _dims(b):
+            return None  # only two maps of one shape (no broadcast to reduce in the gradient)
+        after = readers.get(node.output[0], [])
+        if len(after) == 1 and _is_relu(after[0][0]) and node.output[0] not in outputs:
+            return _Rewrite("add", relu=after[0][0])
+        return _Rewrite("add")
+    if node.op_type == "GlobalAveragePool" and (shape := _dims(types.get(node.input[0]))) and len(shape) == 4:
+        return _Rewrite("pool")
+    if operator == "_adaptive_avg_pool2d":
+        return _Rewrite("adaptive_pool")
+    return None
+
+
+def _dims(type_: onnx.TypeProto | None) -> list[Any] | None:
+    if type_ is None or not type_.tensor_type.HasField("shape"):
+        return None
+    dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in type_.tensor_type.shape.dim]
+    return dims if all(d not in (0, "") for d in dims) else None
+
+
+def _write(
+    model: onnx.ModelProto,
+    plan: dict[int, _Rewrite],
+    maps: set[str],
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]],
+    outputs: set[str],
+    types: dict[str, onnx.TypeProto],
+) -> None:
+    """Rewrite the planned nodes; each bf16 map `v` becomes `v/bf16`, split by forks among the readers that need its
+    gradient in bf16, and given back in fp32 under its own name (a Cast) where anything else reads it."""
+    graph = model.graph
+    fused = {id(found.relu) for found in plan.values() if found.relu is not None}
+    routed: dict[tuple[int, int], str] = {}  # (reader, input index) -> the name it reads instead
+    nodes: list[onnx.NodeProto] = []
+    typed: list[onnx.ValueInfoProto] = []
+    for node in graph.node:
+        if id(node) in fused:
+            continue
+        for index in range(len(node.input)):
+            if (id(node), index) in routed:
+                node.input[index] = routed[(id(node), index)]
+        found = plan.get(id(node))
+        if found is None:
+            nodes.append(node)
+            continue
+        value = (found.relu or node).output[0]  # an Add's: the output of the ReLU it took in
+        edge = f"{value}/bf16"
+        nodes += _rewritten(node, found, edge)
+        typed.append(_typed(edge, types.get(value)))
+        if found.kind == "convolution":
+            typed += [_typed(f"{edge}/{s}", types.get(node.input[i])) for i, s in ((0, "input"), (1, "weight"))]
+        if found.kind.startswith("batch_norm"):
+            channels = (_dims(types.get(value)) or [None, None])[1]
+            typed += [_typed(f"{edge}/{s}", None, TensorProto.FLOAT, [channels]) for s in ("mean", "invstd")]
+        gradients, others = [], value in outputs
+        for reader, index in readers.get(value, []):
+            if reader.op_type == "Shape":
+                routed[(id(reader), index)] = edge
+            elif _accepts(reader, index, plan):
+                gradients.append((reader, index))
+            else:
+                others = True
+        sources = _forks(edge, len(gradients) + others, nodes, typed, types.get(value))
+        routed.update(zip(((id(r), i) for r, i in gradients), sources, strict=False))
+        if others:  # fp32 for every other reader, under the map's own name
+            nodes.append(_aten(TO_FLOAT, [sources[-1]], [value], f"{value}/fp32"))
+            typed.append(_typed(value, types.get(value), TensorProto.FLOAT))
+    value_info = [v for v in graph.value_info if v.name not in maps]
+    del graph.value_info[:]
+    graph.value_info.extend([*value_info, *typed])
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _forks(
+    edge: str, count: int, nodes: list[onnx.NodeProto], typed: list[onnx.ValueInfoProto], like: onnx.TypeProto | None
+) -> list[str]:
+    """`count` names carrying the map `edge` to readers that each need its gradient: `edge` itself for one, else the
+    outputs of a chain of forks (appended to `nodes`)."""
+    names, source = [], edge
+    for k in range(count - 1):
+        pair = [f"{edge}/fork{k}/0", f"{edge}/fork{k}/1"]
+        nodes.append(_aten(FORK, [source], pair, f"{edge}/fork{k}"))
+        typed += [_typed(name, like) for name in pair]
+        names.append(pair[0])
+        source = pair[1]
+    return [*names, source]
+
+
+def _typed(
+    name: str, like: onnx.TypeProto | None, elem: int = TensorProto.BFLOAT16, dims: list[Any] | None = None
+) -> onnx.ValueInfoProto:
+    """A value_info for `name`: `like`'s shape (if known) with element type `elem`, or the shape `dims`."""
+    if like is not None and like.HasField("tensor_type"):
+        value = helper.make_empty_tensor_value_info(name)
+        value.type.CopyFrom(like)
+    elif dims is not None and None not in dims:
+        value = helper.make_tensor_value_info(name, elem, dims)
+    else:
+        value = helper.make_empty_tensor_value_info(name)
+    value.type.tensor_type.elem_type = elem
+    return value
+
+
+def _rewritten(node: onnx.NodeProto, found: _Rewrite, edge: str) -> list[onnx.NodeProto]:
+    """The planned node in its bf16 form, writing `edge`, after the Constants it reads."""
+    name = node.name or node.output[0]
+    if found.kind in ("convolution", "adaptive_pool", "relu") and node.op_type == "ATen":
+        node.output[0] = edge
+        if found.kind == "convolution":
+            _set_operator(node, CONVOLUTION)
+            node.output.extend([f"{edge}/input", f"{edge}/weight"])
+        return [node]
+    if found.kind == "relu":
+        return [_aten(aten_relu.OPERATOR, [node.input[0]], [edge], f"{name}/bf16")]
+    if found.kind == "pool":
+        return [_aten(POOL, [node.input[0]], [edge], f"{name}/bf16")]
+    base = f"{name}/bf16"
+    if found.kind == "add":
+        relu, mask = _constant(f"{base}/relu", found.relu is not None), _constant(f"{base}/mask", [True, True])
+        return [relu, mask, _aten(ADD, [*node.input, relu.output[0], mask.output[0]], [edge], base)]
+    eps = _constant(f"{base}/eps", float(onnx_values.attribute(node, "epsilon", 1e-5)))
+    mask = _constant(f"{base}/mask", [True, True, True])
+    operator = BATCH_NORM if found.kind == "batch_norm" else BATCH_NORM_EVAL
+    inputs = [*node.input[:5], eps.output[0], mask.output[0]]
+    return [eps, mask, _aten(operator, inputs, [edge, f"{edge}/mean", f"{edge}/invstd"], base)]
+
+
+def _constant(name: str, value: Any) -> onnx.NodeProto:
+    """A Constant node: a float, a bool, or a list of bools (a gradient mask, set after the rewrites)."""
+    if isinstance(value, list):
+        tensor = helper.make_tensor(name, TensorProto.BOOL, [len(value)], value)
+    elif isinstance(value, bool):
+        tensor = helper.make_tensor(name, TensorProto.BOOL, [], [value])
+    else:
+        tensor = helper.make_tensor(name, TensorProto.FLOAT, [], [value])
+    return helper.make_node("Constant", [], [name], value=tensor)
+
+
+def _aten(operator: str, inputs: list[str], outputs: list[str], name: str) -> onnx.NodeProto:
+    return helper.make_node(
+        "ATen", inputs, outputs, name=name, domain="org.pytorch.aten", operator=operator, overload_name=""
+    )
+
+
+def _set_operator(node: onnx.NodeProto, operator: str) -> None:
+    for attribute in node.attribute:
+        if attribute.name == "operator":
+            attribute.s = operator.encode()
+
+
+def eval_batch_norms(model: onnx.ModelProto) -> int:
+    """In an eval graph made from a training graph (the artifacts engine's): each bf16 BatchNorm in its eval form
+    (the running statistics, not written). Returns how many it changed."""
+    changed = 0
+    for node in model.graph.node:
+        if aten_nodes.operator(node) == BATCH_NORM:
+            _set_operator(node, BATCH_NORM_EVAL)
+            changed += 1
+    return changed
