@@ -15,10 +15,10 @@ and the nodes that follow it while autocast keeps bf16 become torch-kernel nodes
   tensors it is given, in place, as ORT's own kernel does under ortflow's momentum 0 (accel/graph/batchnorm.py keeps
   torch's update from them); its eval form (`ortflow::batch_norm_bf16_eval`) normalises with the running statistics;
 - Relu -> `ortflow::relu` on bf16 (accel/graph/aten_relu.py);
-- Add of two bf16 maps of one shape -> `ortflow::add_bf16`, with the ReLU that reads it taken in (a ResNet block's
-  end);
-- GlobalAveragePool of a 4-D map -> `ortflow::global_average_pool_bf16` (ORTModule's `_adaptive_avg_pool2d` ATen node
-  takes bf16 as it is).
+- Add of two bf16 maps -> `ortflow::add_bf16` (broadcast as torch broadcasts), with the ReLU that reads it taken in (a
+  ResNet block's end);
+- GlobalAveragePool of a 4-D map -> `ortflow::global_average_pool_bf16`, a 2-D MaxPool -> `ortflow::max_pool2d_bf16`
+  (ORTModule's own `_adaptive_avg_pool2d` and `max_pool2d_with_indices` ATen nodes take bf16 as they are).
 A bf16 map read by two nodes that need its gradient is first split by `ortflow::fork_bf16`, whose gradient node adds
 the two gradients in bf16 (ORT would add them with a Sum that has no bf16 kernel); every other reader gets the map
 in fp32 from `ortflow::float_of_bf16`, where autocast converts too. Weights, biases, statistics and their gradients
@@ -30,6 +30,7 @@ got weight gradients ~100% off in the artifacts engine (ORT evidently wrote into
 the conversion in torch they are eager's (tests/accel/graph/test_bf16_maps.py).
 """
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,8 @@ ADD_BACKWARD = "ortflow::add_bf16_backward"
 FORK = "ortflow::fork_bf16"
 FORK_BACKWARD = "ortflow::fork_bf16_backward"
 POOL = "ortflow::global_average_pool_bf16"
+MAX_POOL = "ortflow::max_pool2d_bf16"
+MAX_POOL_BACKWARD = "ortflow::max_pool2d_bf16_backward"
 TO_FLOAT = "ortflow::float_of_bf16"
 TO_FLOAT_BACKWARD = "ortflow::float_of_bf16_backward"
 POOL_BACKWARD = "ortflow::global_average_pool_bf16_backward"
@@ -67,13 +70,17 @@ _LIBRARY.define(
     "batch_norm_bf16_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor save_mean, Tensor save_invstd, "
     "float eps, bool[] output_mask) -> (Tensor, Tensor, Tensor)"
 )
-_LIBRARY.define("add_bf16(Tensor a, Tensor b, bool relu, bool[] output_mask) -> Tensor")
+_LIBRARY.define("add_bf16(Tensor a, Tensor b, bool relu, bool[] output_mask) -> (Tensor, Tensor, Tensor)")
 _LIBRARY.define(
-    "add_bf16_backward(Tensor grad_output, Tensor result, bool relu, bool[] output_mask) -> (Tensor, Tensor)"
+    "add_bf16_backward(Tensor grad_output, Tensor result, Tensor shape_a, Tensor shape_b, bool relu, "
+    "bool[] output_mask) -> (Tensor, Tensor)"
 )
 _LIBRARY.define("fork_bf16(Tensor x) -> (Tensor, Tensor)")
 _LIBRARY.define("fork_bf16_backward(Tensor grad_a, Tensor grad_b) -> Tensor")
 _LIBRARY.define("global_average_pool_bf16(Tensor x) -> Tensor")
+_POOL_ARGS = "int[] kernel, int[] stride, int[] padding, int[] dilation, bool ceil_mode"
+_LIBRARY.define(f"max_pool2d_bf16(Tensor x, {_POOL_ARGS}) -> (Tensor, Tensor)")
+_LIBRARY.define(f"max_pool2d_bf16_backward(Tensor grad_output, Tensor x, {_POOL_ARGS}, Tensor indices) -> Tensor")
 _LIBRARY.define("float_of_bf16(Tensor x) -> Tensor")
 _LIBRARY.define("float_of_bf16_backward(Tensor grad_output) -> Tensor")
 _LIBRARY.define("global_average_pool_bf16_backward(Tensor grad_output, Tensor x) -> Tensor")
@@ -131,15 +138,24 @@ def _batch_norm_backward(grad_output, input, weight, save_mean, save_invstd, eps
 
 
 def _add(a, b, relu: bool, output_mask):
+    """a + b (broadcast as torch broadcasts), its ReLU taken in; and the shapes of a and b, which the gradient sums
+    to."""
     out = a + b
-    return out.relu_() if relu else out
+    shapes = (torch.tensor(a.shape, dtype=torch.int64), torch.tensor(b.shape, dtype=torch.int64))
+    return (out.relu_() if relu else out), *shapes
 
 
-def _add_backward(grad_output, result, relu: bool, output_mask):
-    """Both inputs' gradient: the same tensor twice (nothing downstream writes into it); a copy where it would be the
-    incoming gradient itself, which ORT may reuse."""
+def _add_backward(grad_output, result, shape_a, shape_b, relu: bool, output_mask):
+    """Each input's gradient, summed over what broadcasting added (autograd's sum_to_size): where both have the
+    output's shape, the same tensor twice (nothing downstream writes into it), a copy where it would be the incoming
+    gradient itself, which ORT may reuse."""
     grad = torch.ops.aten.threshold_backward(grad_output, result, 0) if relu else grad_output.clone()
-    return (grad if output_mask[0] else None), (grad if output_mask[1] else None)
+
+    def to(shape: torch.Tensor) -> torch.Tensor:
+        size = torch.Size(shape.tolist())
+        return grad if size == grad.shape else grad.sum_to_size(size)
+
+    return (to(shape_a) if output_mask[0] else None), (to(shape_b) if output_mask[1] else None)
 
 
 def _fork(x):
@@ -159,6 +175,16 @@ def _pool_backward(grad_output, x):
     return grad_output.expand(x.shape) / (x.size(2) * x.size(3))  # the mean's gradient, as autograd's
 
 
+def _max_pool(x, kernel, stride, padding, dilation, ceil_mode: bool):
+    return torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
+
+
+def _max_pool_backward(grad_output, x, kernel, stride, padding, dilation, ceil_mode: bool, indices):
+    return torch.ops.aten.max_pool2d_with_indices_backward(
+        grad_output, x, kernel, stride, padding, dilation, ceil_mode, indices
+    )
+
+
 def _to_float(x):
     return x.float()
 
@@ -168,6 +194,8 @@ def _to_float_backward(grad_output):
 
 
 for _name, _function in (
+    ("max_pool2d_bf16", _max_pool),
+    ("max_pool2d_bf16_backward", _max_pool_backward),
     ("float_of_bf16", _to_float),
     ("float_of_bf16_backward", _to_float_backward),
     ("convolution_bf16_maps", _convolution),
@@ -199,10 +227,40 @@ def _batch_norm_shape(inference: Any, node: Any) -> None:
     aten_shapes._set(inference, node, 2, TensorProto.FLOAT, [x[1]])
 
 
+def _add_shape(inference: Any, node: Any) -> None:
+    """The broadcast of the two inputs' shapes (numpy's rule, as torch's), bf16; the two shapes, int64."""
+    a, b = inference._get_sympy_shape(node, 0), inference._get_sympy_shape(node, 1)
+    width = max(len(a), len(b))
+    a, b = [1] * (width - len(a)) + a, [1] * (width - len(b)) + b
+    shape = [y if x == 1 else x for x, y in zip(a, b, strict=True)]
+    inference._update_computed_dims(shape)
+    aten_shapes._set(inference, node, 0, TensorProto.BFLOAT16, shape)
+    aten_shapes._set(inference, node, 1, TensorProto.INT64, [len(a)])
+    aten_shapes._set(inference, node, 2, TensorProto.INT64, [len(b)])
+
+
 def _fork_shape(inference: Any, node: Any) -> None:
     x = inference._get_sympy_shape(node, 0)
     aten_shapes._set(inference, node, 0, TensorProto.BFLOAT16, x)
     aten_shapes._set(inference, node, 1, TensorProto.BFLOAT16, x)
+
+
+def _max_pool_shape(inference: Any, node: Any) -> None:
+    """(B, C, H', W') by torch's pooling formula (floor, or ceil with ceil_mode), bf16; the indices int64."""
+    import sympy
+
+    x = inference._get_sympy_shape(node, 0)
+    kernel, stride, padding, dilation, ceil = (aten_shapes._values(inference, node, i) for i in range(1, 6))
+    shape = list(x[:2])
+    for i, size in enumerate(x[2:]):
+        if None in (kernel, stride, padding, dilation, ceil):
+            shape.append(inference._new_symbolic_dim_from_output(node, 0, i + 2))
+            continue
+        span = (size + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) / stride[i]
+        shape.append((sympy.ceiling(span) if ceil[0] else sympy.floor(span)) + 1)
+    inference._update_computed_dims(shape)
+    aten_shapes._set(inference, node, 0, TensorProto.BFLOAT16, shape)
+    aten_shapes._set(inference, node, 1, TensorProto.INT64, shape)
 
 
 def _to_float_shape(inference: Any, node: Any) -> None:
@@ -238,12 +296,12 @@ for _forward in (BATCH_NORM, BATCH_NORM_EVAL):
 aten_nodes.declare(
     ADD,
     ADD_BACKWARD,
-    ["GO(0)", "O(0)", "I(2)", "I(3)"],
+    ["GO(0)", "O(0)", "O(1)", "O(2)", "I(2)", "I(3)"],
     gradients=2,
     differentiable=(0, 1),
     mask_input=3,
     fix_name="adds_run_by_torch_bf16",
-    shape=aten_shapes.same_shape,
+    shape=_add_shape,
 )
 aten_nodes.declare(
     FORK,
@@ -267,6 +325,16 @@ aten_nodes.declare(
 )
 
 
+aten_nodes.declare(
+    MAX_POOL,
+    MAX_POOL_BACKWARD,
+    ["GO(0)", *(f"I({i})" for i in range(6)), "O(1)"],
+    gradients=1,
+    differentiable=(0,),
+    mask_input=None,
+    fix_name="max_pools_run_by_torch_bf16",
+    shape=_max_pool_shape,
+)
 aten_nodes.declare(
     TO_FLOAT,
     TO_FLOAT_BACKWARD,
@@ -306,6 +374,7 @@ def feature_maps(model: onnx.ModelProto, statistics_by_host: bool) -> int:
     if not any(aten_nodes.operator(node) == aten_conv.OPERATOR_BF16 for node in graph.node):
         return 0
     types = onnx_values.value_types(model)
+    constants = onnx_values.constant_values(graph)
     produced = {name for node in graph.node for name in node.output if name}
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in graph.node:
@@ -315,7 +384,7 @@ def feature_maps(model: onnx.ModelProto, statistics_by_host: bool) -> int:
     plan: dict[int, _Rewrite] = {}
     maps: set[str] = set()  # values that become bf16
     for node in graph.node:
-        found = _decide(node, maps, types, produced, readers, outputs, statistics_by_host)
+        found = _decide(node, maps, types, constants, produced, readers, outputs, statistics_by_host)
         if found is None:
             continue
         plan[id(node)] = found
@@ -331,6 +400,7 @@ def _decide(
     node: onnx.NodeProto,
     maps: set[str],
     types: dict[str, onnx.TypeProto],
+    constants: dict[str, Any],
     produced: set[str],
     readers: dict[str, list[tuple[onnx.NodeProto, int]]],
     outputs: set[str],
@@ -354,19 +424,62 @@ def _decide(
         return None
     if _is_relu(node):
         return _Rewrite("relu")
-    if node.op_type == "Add" and len(node.input) == 2 and node.input[1] in maps:
-        a, b = (types.get(name) for name in node.input)
-        if a is None or b is None or _dims(a) is None or _dims(a) != _dims(b):
-            return None  # only two maps of one shape (no broadcast to reduce in the gradient)
+    if node.op_type == "Add" and len(node.input) == 2 and node.input[1] in maps:  # bf16 + bf16: bf16
         after = readers.get(node.output[0], [])
         if len(after) == 1 and _is_relu(after[0][0]) and node.output[0] not in outputs:
             return _Rewrite("add", relu=after[0][0])
         return _Rewrite("add")
     if node.op_type == "GlobalAveragePool" and (shape := _dims(types.get(node.input[0]))) and len(shape) == 4:
         return _Rewrite("pool")
-    if operator == "_adaptive_avg_pool2d":
-        return _Rewrite("adaptive_pool")
+    if node.op_type == "MaxPool" and _max_pool_2d(node, types, readers):
+        return _Rewrite("max_pool")
+    if operator in _TORCH_POOLS:  # ORTModule's own ATen nodes, run by torch in any dtype
+        known = _dims(types.get(node.output[0]))
+        if (known is None or any(isinstance(d, str) for d in known)) and (
+            shape := _torch_pool_shape(node, types, constants)
+        ) is not None:
+            types[node.output[0]] = helper.make_tensor_type_proto(TensorProto.BFLOAT16, shape)
+        return _Rewrite("torch_pool")
     return None
+
+
+def _torch_pool_shape(
+    node: onnx.NodeProto, types: dict[str, onnx.TypeProto], constants: dict[str, Any]
+) -> list[int] | None:
+    """The output shape of ORTModule's `_adaptive_avg_pool2d` or `max_pool2d_with_indices` node where its input's
+    shape and its settings are known (the exporter gives an ATen node's output symbolic dims)."""
+    shape = _dims(types.get(node.input[0]))
+    if shape is None or len(shape) != 4 or any(isinstance(d, str) for d in shape):
+        return None
+    values = [constants.get(name) for name in node.input[1:]]
+    if any(v is None for v in values):
+        return None
+    if aten_nodes.operator(node) == "_adaptive_avg_pool2d":
+        return [*shape[:2], *(int(v) for v in values[0].reshape(-1))]
+    kernel, stride, padding, dilation, ceil = (v.reshape(-1).tolist() for v in values)
+    stride = stride or kernel
+    out = []
+    for i, size in enumerate(shape[2:]):
+        span = (size + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) / stride[i]
+        out.append((math.ceil(span) if ceil[0] else math.floor(span)) + 1)
+    return [*shape[:2], *out]
+
+
+_TORCH_POOLS = ("_adaptive_avg_pool2d", "max_pool2d_with_indices")
+
+
+def _max_pool_2d(node: onnx.NodeProto, types: dict[str, onnx.TypeProto], readers: dict[str, list]) -> bool:
+    """A 2-D MaxPool torch's max_pool2d computes: 4-D input, explicit padding the same on both sides, no indices
+    read."""
+    shape = _dims(types.get(node.input[0]))
+    pads = list(onnx_values.attribute(node, "pads", [0, 0, 0, 0]))
+    return (
+        shape is not None
+        and len(shape) == 4
+        and onnx_values.attribute(node, "auto_pad", b"NOTSET") == b"NOTSET"
+        and pads[:2] == pads[2:]
+        and not any(readers.get(name) for name in node.output[1:] if name)
+    )
 
 
 def _dims(type_: onnx.TypeProto | None) -> list[Any] | None:
@@ -407,6 +520,12 @@ def _write(
         typed.append(_typed(edge, types.get(value)))
         if found.kind == "convolution":
             typed += [_typed(f"{edge}/{s}", types.get(node.input[i])) for i, s in ((0, "input"), (1, "weight"))]
+        if found.kind == "max_pool":
+            typed.append(_typed(f"{edge}/indices", types.get(value), TensorProto.INT64))
+        if found.kind == "add":
+            typed += [
+                _typed(f"{edge}/shape_{k}", None, TensorProto.INT64, [len(_dims(types.get(value)) or [])]) for k in "ab"
+            ]
         if found.kind.startswith("batch_norm"):
             channels = (_dims(types.get(value)) or [None, None])[1]
             typed += [_typed(f"{edge}/{s}", None, TensorProto.FLOAT, [channels]) for s in ("mean", "invstd")]
@@ -463,7 +582,7 @@ def _typed(
 def _rewritten(node: onnx.NodeProto, found: _Rewrite, edge: str) -> list[onnx.NodeProto]:
     """The planned node in its bf16 form, writing `edge`, after the Constants it reads."""
     name = node.name or node.output[0]
-    if found.kind in ("convolution", "adaptive_pool", "relu") and node.op_type == "ATen":
+    if found.kind in ("convolution", "torch_pool", "relu") and node.op_type == "ATen":
         node.output[0] = edge
         if found.kind == "convolution":
             _set_operator(node, CONVOLUTION)
@@ -474,9 +593,22 @@ def _rewritten(node: onnx.NodeProto, found: _Rewrite, edge: str) -> list[onnx.No
     if found.kind == "pool":
         return [_aten(POOL, [node.input[0]], [edge], f"{name}/bf16")]
     base = f"{name}/bf16"
+    if found.kind == "max_pool":
+        kernel = list(onnx_values.attribute(node, "kernel_shape"))
+        settings = {
+            "kernel": kernel,
+            "stride": list(onnx_values.attribute(node, "strides", [1, 1])),
+            "padding": list(onnx_values.attribute(node, "pads", [0, 0, 0, 0]))[:2],
+            "dilation": list(onnx_values.attribute(node, "dilations", [1, 1])),
+            "ceil_mode": bool(onnx_values.attribute(node, "ceil_mode", 0)),
+        }
+        constants = [_constant(f"{base}/{key}", value) for key, value in settings.items()]
+        inputs = [node.input[0], *(c.output[0] for c in constants)]
+        return [*constants, _aten(MAX_POOL, inputs, [edge, f"{edge}/indices"], base)]
     if found.kind == "add":
         relu, mask = _constant(f"{base}/relu", found.relu is not None), _constant(f"{base}/mask", [True, True])
-        return [relu, mask, _aten(ADD, [*node.input, relu.output[0], mask.output[0]], [edge], base)]
+        shapes = [f"{edge}/shape_a", f"{edge}/shape_b"]
+        return [relu, mask, _aten(ADD, [*node.input, relu.output[0], mask.output[0]], [edge, *shapes], base)]
     eps = _constant(f"{base}/eps", float(onnx_values.attribute(node, "epsilon", 1e-5)))
     mask = _constant(f"{base}/mask", [True, True, True])
     operator = BATCH_NORM if found.kind == "batch_norm" else BATCH_NORM_EVAL
@@ -485,8 +617,11 @@ def _rewritten(node: onnx.NodeProto, found: _Rewrite, edge: str) -> list[onnx.No
 
 
 def _constant(name: str, value: Any) -> onnx.NodeProto:
-    """A Constant node: a float, a bool, or a list of bools (a gradient mask, set after the rewrites)."""
-    if isinstance(value, list):
+    """A Constant node: a float, a bool, a list of ints, or a list of bools (a gradient mask, set after the
+    rewrites)."""
+    if isinstance(value, list) and value and not isinstance(value[0], bool):
+        tensor = helper.make_tensor(name, TensorProto.INT64, [len(value)], value)
+    elif isinstance(value, list):
         tensor = helper.make_tensor(name, TensorProto.BOOL, [len(value)], value)
     elif isinstance(value, bool):
         tensor = helper.make_tensor(name, TensorProto.BOOL, [], [value])
