@@ -17,8 +17,9 @@ and the nodes that follow it while autocast keeps bf16 become torch-kernel nodes
 - Relu -> `ortflow::relu` on bf16 (accel/graph/aten_relu.py);
 - Add of two bf16 maps -> `ortflow::add_bf16` (broadcast as torch broadcasts), with the ReLU that reads it taken in (a
   ResNet block's end);
-- GlobalAveragePool of a 4-D map -> `ortflow::global_average_pool_bf16`, a 2-D MaxPool -> `ortflow::max_pool2d_bf16`
-  (ORTModule's own `_adaptive_avg_pool2d` and `max_pool2d_with_indices` ATen nodes take bf16 as they are).
+- GlobalAveragePool of a 4-D map -> `ortflow::global_average_pool_bf16`; the ATen nodes of torch's own pooling
+  kernels (`ortflow::max_pool2d`: accel/graph/aten_max_pool.py; ORTModule's `_adaptive_avg_pool2d` and
+  `max_pool2d_with_indices`) take bf16 as they are.
 A bf16 map read by two nodes that need its gradient is first split by `ortflow::fork_bf16`, whose gradient node adds
 the two gradients in bf16 (ORT would add them with a Sum that has no bf16 kernel); every other reader gets the map
 in fp32 from `ortflow::float_of_bf16`, where autocast converts too. Weights, biases, statistics and their gradients
@@ -30,7 +31,6 @@ got weight gradients ~100% off in the artifacts engine (ORT evidently wrote into
 the conversion in torch they are eager's (tests/accel/graph/test_bf16_maps.py).
 """
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from ortflow.accel.graph import aten_conv, aten_nodes, aten_relu, aten_shapes, onnx_values
+from ortflow.accel.graph import aten_conv, aten_max_pool, aten_nodes, aten_relu, aten_shapes, onnx_values
 
 CONVOLUTION = "ortflow::convolution_bf16_maps"
 CONVOLUTION_BACKWARD = "ortflow::convolution_bf16_maps_backward"
@@ -50,8 +50,6 @@ ADD_BACKWARD = "ortflow::add_bf16_backward"
 FORK = "ortflow::fork_bf16"
 FORK_BACKWARD = "ortflow::fork_bf16_backward"
 POOL = "ortflow::global_average_pool_bf16"
-MAX_POOL = "ortflow::max_pool2d_bf16"
-MAX_POOL_BACKWARD = "ortflow::max_pool2d_bf16_backward"
 TO_FLOAT = "ortflow::float_of_bf16"
 TO_FLOAT_BACKWARD = "ortflow::float_of_bf16_backward"
 POOL_BACKWARD = "ortflow::global_average_pool_bf16_backward"
@@ -78,9 +76,6 @@ _LIBRARY.define(
 _LIBRARY.define("fork_bf16(Tensor x) -> (Tensor, Tensor)")
 _LIBRARY.define("fork_bf16_backward(Tensor grad_a, Tensor grad_b) -> Tensor")
 _LIBRARY.define("global_average_pool_bf16(Tensor x) -> Tensor")
-_POOL_ARGS = "int[] kernel, int[] stride, int[] padding, int[] dilation, bool ceil_mode"
-_LIBRARY.define(f"max_pool2d_bf16(Tensor x, {_POOL_ARGS}) -> (Tensor, Tensor)")
-_LIBRARY.define(f"max_pool2d_bf16_backward(Tensor grad_output, Tensor x, {_POOL_ARGS}, Tensor indices) -> Tensor")
 _LIBRARY.define("float_of_bf16(Tensor x) -> Tensor")
 _LIBRARY.define("float_of_bf16_backward(Tensor grad_output) -> Tensor")
 _LIBRARY.define("global_average_pool_bf16_backward(Tensor grad_output, Tensor x) -> Tensor")
@@ -175,16 +170,6 @@ def _pool_backward(grad_output, x):
     return grad_output.expand(x.shape) / (x.size(2) * x.size(3))  # the mean's gradient, as autograd's
 
 
-def _max_pool(x, kernel, stride, padding, dilation, ceil_mode: bool):
-    return torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
-
-
-def _max_pool_backward(grad_output, x, kernel, stride, padding, dilation, ceil_mode: bool, indices):
-    return torch.ops.aten.max_pool2d_with_indices_backward(
-        grad_output, x, kernel, stride, padding, dilation, ceil_mode, indices
-    )
-
-
 def _to_float(x):
     return x.float()
 
@@ -194,8 +179,6 @@ def _to_float_backward(grad_output):
 
 
 for _name, _function in (
-    ("max_pool2d_bf16", _max_pool),
-    ("max_pool2d_bf16_backward", _max_pool_backward),
     ("float_of_bf16", _to_float),
     ("float_of_bf16_backward", _to_float_backward),
     ("convolution_bf16_maps", _convolution),
@@ -243,24 +226,6 @@ def _fork_shape(inference: Any, node: Any) -> None:
     x = inference._get_sympy_shape(node, 0)
     aten_shapes._set(inference, node, 0, TensorProto.BFLOAT16, x)
     aten_shapes._set(inference, node, 1, TensorProto.BFLOAT16, x)
-
-
-def _max_pool_shape(inference: Any, node: Any) -> None:
-    """(B, C, H', W') by torch's pooling formula (floor, or ceil with ceil_mode), bf16; the indices int64."""
-    import sympy
-
-    x = inference._get_sympy_shape(node, 0)
-    kernel, stride, padding, dilation, ceil = (aten_shapes._values(inference, node, i) for i in range(1, 6))
-    shape = list(x[:2])
-    for i, size in enumerate(x[2:]):
-        if None in (kernel, stride, padding, dilation, ceil):
-            shape.append(inference._new_symbolic_dim_from_output(node, 0, i + 2))
-            continue
-        span = (size + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) / stride[i]
-        shape.append((sympy.ceiling(span) if ceil[0] else sympy.floor(span)) + 1)
-    inference._update_computed_dims(shape)
-    aten_shapes._set(inference, node, 0, TensorProto.BFLOAT16, shape)
-    aten_shapes._set(inference, node, 1, TensorProto.INT64, shape)
 
 
 def _to_float_shape(inference: Any, node: Any) -> None:
@@ -325,16 +290,6 @@ aten_nodes.declare(
 )
 
 
-aten_nodes.declare(
-    MAX_POOL,
-    MAX_POOL_BACKWARD,
-    ["GO(0)", *(f"I({i})" for i in range(6)), "O(1)"],
-    gradients=1,
-    differentiable=(0,),
-    mask_input=None,
-    fix_name="max_pools_run_by_torch_bf16",
-    shape=_max_pool_shape,
-)
 aten_nodes.declare(
     TO_FLOAT,
     TO_FLOAT_BACKWARD,
@@ -431,9 +386,7 @@ def _decide(
         return _Rewrite("add")
     if node.op_type == "GlobalAveragePool" and (shape := _dims(types.get(node.input[0]))) and len(shape) == 4:
         return _Rewrite("pool")
-    if node.op_type == "MaxPool" and _max_pool_2d(node, types, readers):
-        return _Rewrite("max_pool")
-    if operator in _TORCH_POOLS:  # ORTModule's own ATen nodes, run by torch in any dtype
+    if operator in _TORCH_POOLS:  # torch's pooling kernels in ATen nodes (ortflow's, ORTModule's), in any dtype
         known = _dims(types.get(node.output[0]))
         if (known is None or any(isinstance(d, str) for d in known)) and (
             shape := _torch_pool_shape(node, types, constants)
@@ -446,8 +399,8 @@ def _decide(
 def _torch_pool_shape(
     node: onnx.NodeProto, types: dict[str, onnx.TypeProto], constants: dict[str, Any]
 ) -> list[int] | None:
-    """The output shape of ORTModule's `_adaptive_avg_pool2d` or `max_pool2d_with_indices` node where its input's
-    shape and its settings are known (the exporter gives an ATen node's output symbolic dims)."""
+    """The output shape of a torch pooling node (`_TORCH_POOLS`) where its input's shape and its settings are known
+    (the exporter gives an ATen node's output symbolic dims)."""
     shape = _dims(types.get(node.input[0]))
     if shape is None or len(shape) != 4 or any(isinstance(d, str) for d in shape):
         return None
@@ -457,29 +410,10 @@ def _torch_pool_shape(
     if aten_nodes.operator(node) == "_adaptive_avg_pool2d":
         return [*shape[:2], *(int(v) for v in values[0].reshape(-1))]
     kernel, stride, padding, dilation, ceil = (v.reshape(-1).tolist() for v in values)
-    stride = stride or kernel
-    out = []
-    for i, size in enumerate(shape[2:]):
-        span = (size + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) / stride[i]
-        out.append((math.ceil(span) if ceil[0] else math.floor(span)) + 1)
-    return [*shape[:2], *out]
+    return [*shape[:2], *aten_max_pool.output_shape(shape[2:], kernel, stride or kernel, padding, dilation, ceil[0])]
 
 
-_TORCH_POOLS = ("_adaptive_avg_pool2d", "max_pool2d_with_indices")
-
-
-def _max_pool_2d(node: onnx.NodeProto, types: dict[str, onnx.TypeProto], readers: dict[str, list]) -> bool:
-    """A 2-D MaxPool torch's max_pool2d computes: 4-D input, explicit padding the same on both sides, no indices
-    read."""
-    shape = _dims(types.get(node.input[0]))
-    pads = list(onnx_values.attribute(node, "pads", [0, 0, 0, 0]))
-    return (
-        shape is not None
-        and len(shape) == 4
-        and onnx_values.attribute(node, "auto_pad", b"NOTSET") == b"NOTSET"
-        and pads[:2] == pads[2:]
-        and not any(readers.get(name) for name in node.output[1:] if name)
-    )
+_TORCH_POOLS = ("_adaptive_avg_pool2d", "max_pool2d_with_indices", aten_max_pool.OPERATOR)
 
 
 def _dims(type_: onnx.TypeProto | None) -> list[Any] | None:
@@ -520,8 +454,6 @@ def _write(
         typed.append(_typed(edge, types.get(value)))
         if found.kind == "convolution":
             typed += [_typed(f"{edge}/{s}", types.get(node.input[i])) for i, s in ((0, "input"), (1, "weight"))]
-        if found.kind == "max_pool":
-            typed.append(_typed(f"{edge}/indices", types.get(value), TensorProto.INT64))
         if found.kind == "add":
             typed += [
                 _typed(f"{edge}/shape_{k}", None, TensorProto.INT64, [len(_dims(types.get(value)) or [])]) for k in "ab"
@@ -593,18 +525,6 @@ def _rewritten(node: onnx.NodeProto, found: _Rewrite, edge: str) -> list[onnx.No
     if found.kind == "pool":
         return [_aten(POOL, [node.input[0]], [edge], f"{name}/bf16")]
     base = f"{name}/bf16"
-    if found.kind == "max_pool":
-        kernel = list(onnx_values.attribute(node, "kernel_shape"))
-        settings = {
-            "kernel": kernel,
-            "stride": list(onnx_values.attribute(node, "strides", [1, 1])),
-            "padding": list(onnx_values.attribute(node, "pads", [0, 0, 0, 0]))[:2],
-            "dilation": list(onnx_values.attribute(node, "dilations", [1, 1])),
-            "ceil_mode": bool(onnx_values.attribute(node, "ceil_mode", 0)),
-        }
-        constants = [_constant(f"{base}/{key}", value) for key, value in settings.items()]
-        inputs = [node.input[0], *(c.output[0] for c in constants)]
-        return [*constants, _aten(MAX_POOL, inputs, [edge, f"{edge}/indices"], base)]
     if found.kind == "add":
         relu, mask = _constant(f"{base}/relu", found.relu is not None), _constant(f"{base}/mask", [True, True])
         shapes = [f"{edge}/shape_a", f"{edge}/shape_b"]
@@ -617,11 +537,8 @@ def _rewritten(node: onnx.NodeProto, found: _Rewrite, edge: str) -> list[onnx.No
 
 
 def _constant(name: str, value: Any) -> onnx.NodeProto:
-    """A Constant node: a float, a bool, a list of ints, or a list of bools (a gradient mask, set after the
-    rewrites)."""
-    if isinstance(value, list) and value and not isinstance(value[0], bool):
-        tensor = helper.make_tensor(name, TensorProto.INT64, [len(value)], value)
-    elif isinstance(value, list):
+    """A Constant node: a float, a bool, or a list of bools (a gradient mask, set after the rewrites)."""
+    if isinstance(value, list):
         tensor = helper.make_tensor(name, TensorProto.BOOL, [len(value)], value)
     elif isinstance(value, bool):
         tensor = helper.make_tensor(name, TensorProto.BOOL, [], [value])

@@ -27,6 +27,7 @@ from ortflow.accel.graph import (  # noqa: F401  every op module: importing one 
     aten_gelu,
     aten_gemm,
     aten_layer_norm,
+    aten_max_pool,
     aten_nodes,
     aten_relu,
     aten_shapes,
@@ -70,6 +71,7 @@ ORDER: tuple[str, ...] = (
     "onnx_gradients",  # onnx_gradients.py
     "dropout",  # rewrites.py: masks fed each step, or ORT's Dropout given its mask output
     "relu",  # aten_relu.py: torch's ReLU, before relu_mask rewrites those left to ORT
+    "max_pool",  # aten_max_pool.py
     "gathers",  # rewrites.py
     "relu_mask",  # rewrites.py
     "embedding",  # rewrites.py

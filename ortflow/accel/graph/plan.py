@@ -66,6 +66,10 @@ class GraphSettings:
     # 0.78x to 0.82-0.87x. null: in graphs that already run torch's kernels (convolutions, bf16 GEMMs) only; alone,
     # in the fp32 transformer recipe, it cost artifacts 18% (it turns ORT's spin-waiting off).
     aten_relu: bool | None = None
+    # 2-D max-pooling run by torch's kernels inside ORT's graphs (accel/graph/aten_max_pool.py): ORT's CPU MaxPool runs
+    # on one thread (ResNet-18 64x64, fp32: 8.6 ms a step against torch's 4.8; artifacts 0.94x eager with it, ORTModule,
+    # whose export already runs torch's, 1.00x). null: in graphs that already run torch's kernels, as aten_relu.
+    aten_max_pool: bool | None = None
     # Where ORT runs ReLU: Relu -> x * (x > 0): ORT's CPU ReluGrad runs on one thread; the Mul it becomes runs in
     # parallel.
     rewrite_relu: bool = True
