@@ -106,7 +106,8 @@ def test_logger_verbose_shows_other_libraries_output(tmp_path):
 
 def curve_colours(png: Path, panel: tuple[int, int] = (0, 0)) -> int:
     """How many of the run colours (COLORS) draw a curve in a panel (column, row) of a plots.py PNG."""
-    image = Image.open(png).convert("RGB")
+    with Image.open(png) as opened:
+        image = opened.convert("RGB")
     width, height = int(PANEL_SIZE[0] * DPI), int(PANEL_SIZE[1] * DPI)
     x0, y0 = panel[0] * width, panel[1] * height
     pixels = Counter(image.crop((x0, y0, x0 + width, y0 + height)).get_flattened_data())
@@ -125,9 +126,8 @@ def test_compare_writes_a_png_with_one_curve_per_run_and_the_eager_difference(tm
     png = tmp_path / "compare.png"
     main([*runs, "--png", str(png)])
     assert f"curves: {png}" in capsys.readouterr().out
-    image = Image.open(png)
-    # train/loss, eval/loss, eval/accuracy and the ORT - eager difference: a 2 x 2 grid of panels
-    assert image.size == (int(2 * PANEL_SIZE[0] * DPI), int(2 * PANEL_SIZE[1] * DPI))
+    with Image.open(png) as image:  # train/loss, eval/loss, eval/accuracy and the ORT - eager difference: 2 x 2
+        assert image.size == (int(2 * PANEL_SIZE[0] * DPI), int(2 * PANEL_SIZE[1] * DPI))
     assert curve_colours(png) == 2
     assert curve_colours(png, panel=(1, 1)) == 1  # the difference panel: one curve (artifacts - none)
 
