@@ -15,7 +15,7 @@ from torch import nn
 
 from ortflow import accel
 from ortflow.accel.engine import EngineContext
-from ortflow.accel.graph import aten_conv, aten_nodes, bf16_maps
+from ortflow.accel.graph import aten_conv, aten_nodes, bf16_map_ops, bf16_maps
 from ortflow.check import capture
 from ortflow.config import BF16, DebugConfig, OptimConfig
 from ortflow.model.resnet import build_resnet
@@ -138,7 +138,7 @@ def _graph_convolution_inputs(model: onnx.ModelProto) -> list[int]:
     """The element type of each forward convolution node's input in a training graph, in graph order."""
     graph = model.graph
     types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info)}
-    operators = (bf16_maps.CONVOLUTION, aten_conv.OPERATOR_BF16)
+    operators = (bf16_map_ops.CONVOLUTION, aten_conv.OPERATOR_BF16)
     return [types.get(n.input[0], onnx.TensorProto.FLOAT) for n in graph.node if aten_nodes.operator(n) in operators]
 
 
