@@ -49,7 +49,10 @@ _LIBRARY.impl("max_pool2d_backward", _max_pool_backward, "CPU")
 
 def output_shape(size: list[Any], kernel, stride, padding, dilation, ceil: bool, floor=math.floor, ceiling=math.ceil):
     """torch's pooling formula for the spatial sizes `size` (ints, or sympy expressions with sympy's floor and
-    ceiling)."""
+    ceiling); a setting given once holds for every dimension, as in torch."""
+    kernel, stride, padding, dilation = (
+        [v[0]] * len(size) if len(v) == 1 else v for v in (kernel, stride, padding, dilation)
+    )
     shape = []
     for i, n in enumerate(size):
         span = (n + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) / stride[i]

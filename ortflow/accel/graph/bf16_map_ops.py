@@ -185,11 +185,16 @@ def _convolution_shape(inference: Any, node: Any) -> None:
     aten_shapes._set(inference, node, 2, TensorProto.BFLOAT16, inference._get_sympy_shape(node, 1))
 
 
-def _batch_norm_shape(inference: Any, node: Any) -> None:
+def _batch_norm_shape(inference: Any, node: Any, saved: int | None = None) -> None:
+    """The bf16 map's shape; the saved mean and inverse deviation (C,) in training, empty (`saved` 0) in evaluation."""
     x = inference._get_sympy_shape(node, 0)
     aten_shapes._set(inference, node, 0, TensorProto.BFLOAT16, x)
-    aten_shapes._set(inference, node, 1, TensorProto.FLOAT, [x[1]])
-    aten_shapes._set(inference, node, 2, TensorProto.FLOAT, [x[1]])
+    aten_shapes._set(inference, node, 1, TensorProto.FLOAT, [x[1] if saved is None else saved])
+    aten_shapes._set(inference, node, 2, TensorProto.FLOAT, [x[1] if saved is None else saved])
+
+
+def _batch_norm_eval_shape(inference: Any, node: Any) -> None:
+    _batch_norm_shape(inference, node, saved=0)
 
 
 def _add_shape(inference: Any, node: Any) -> None:
@@ -230,7 +235,7 @@ aten_nodes.declare(
     bf16_input=0,
     shape=_convolution_shape,
 )
-for _forward in (BATCH_NORM, BATCH_NORM_EVAL):
+for _forward, _shape in ((BATCH_NORM, _batch_norm_shape), (BATCH_NORM_EVAL, _batch_norm_eval_shape)):
     aten_nodes.declare(
         _forward,
         BATCH_NORM_BACKWARD,
@@ -238,7 +243,7 @@ for _forward in (BATCH_NORM, BATCH_NORM_EVAL):
         differentiable=(0, 1, 2),
         mask_input=6,
         fix_name="batchnorms_run_by_torch_bf16",
-        shape=_batch_norm_shape,
+        shape=_shape,
     )
 aten_nodes.declare(
     ADD,

@@ -180,7 +180,7 @@ def _write(
     types: dict[str, onnx.TypeProto],
 ) -> None:
     """Rewrite the planned nodes; each bf16 map `v` becomes `v/bf16`, split by forks among the readers that need its
-    gradient in bf16, and given back in fp32 under its own name (a Cast) where anything else reads it."""
+    gradient in bf16, and given back in fp32 under its own name (`float_of_bf16`) where anything else reads it."""
     graph = model.graph
     fused = {id(found.relu) for found in plan.values() if found.relu is not None}
     routed: dict[tuple[int, int], str] = {}  # (reader, input index) -> the name it reads instead
@@ -202,13 +202,10 @@ def _write(
         typed.append(_typed(edge, types.get(value)))
         if found.kind == "convolution":
             typed += [_typed(f"{edge}/{s}", types.get(node.input[i])) for i, s in ((0, "input"), (1, "weight"))]
-        if found.kind == "add":
-            typed += [
-                _typed(f"{edge}/shape_{k}", None, TensorProto.INT64, [len(_dims(types.get(value)) or [])]) for k in "ab"
-            ]
-        if found.kind.startswith("batch_norm"):
-            channels = (_dims(types.get(value)) or [None, None])[1]
-            typed += [_typed(f"{edge}/{s}", None, TensorProto.FLOAT, [channels]) for s in ("mean", "invstd")]
+        if found.kind == "add":  # the inputs' shapes (their ranks may differ: broadcast)
+            typed += [_typed(f"{edge}/shape_{k}", None, TensorProto.INT64) for k in "ab"]
+        if found.kind.startswith("batch_norm"):  # the saved statistics: (C,) in training, empty in evaluation
+            typed += [_typed(f"{edge}/{s}", None, TensorProto.FLOAT) for s in ("mean", "invstd")]
         gradients, others = [], value in outputs
         for reader, index in readers.get(value, []):
             if reader.op_type == "Shape":
@@ -244,17 +241,11 @@ def _forks(
     return [*names, source]
 
 
-def _typed(
-    name: str, like: onnx.TypeProto | None, elem: int = TensorProto.BFLOAT16, dims: list[Any] | None = None
-) -> onnx.ValueInfoProto:
-    """A value_info for `name`: `like`'s shape (if known) with element type `elem`, or the shape `dims`."""
+def _typed(name: str, like: onnx.TypeProto | None, elem: int = TensorProto.BFLOAT16) -> onnx.ValueInfoProto:
+    """A value_info for `name`: `like`'s shape (if known) with element type `elem`."""
+    value = helper.make_empty_tensor_value_info(name)
     if like is not None and like.HasField("tensor_type"):
-        value = helper.make_empty_tensor_value_info(name)
         value.type.CopyFrom(like)
-    elif dims is not None and None not in dims:
-        value = helper.make_tensor_value_info(name, elem, dims)
-    else:
-        value = helper.make_empty_tensor_value_info(name)
     value.type.tensor_type.elem_type = elem
     return value
 
