@@ -191,17 +191,8 @@ def softmax_cross_entropies_to_aten(model: onnx.ModelProto) -> int:
             kept.append(
                 helper.make_node("Constant", [], [f"{base}/{key}"], value=numpy_helper.from_array(value.numpy()))
             )
-        kept.append(
-            helper.make_node(
-                "ATen",
-                [node.input[0], node.input[1], ignore_index or f"{base}/ignore_index", f"{base}/reduction"],
-                [node.output[0]],
-                name=f"{base}/cross_entropy",
-                domain="org.pytorch.aten",
-                operator=OPERATOR,
-                overload_name="",
-            )
-        )
+        inputs = [node.input[0], node.input[1], ignore_index or f"{base}/ignore_index", f"{base}/reduction"]
+        kept.append(aten_nodes.make_node(OPERATOR, inputs, [node.output[0]], f"{base}/cross_entropy"))
         replaced += 1
     if not replaced:
         return 0
@@ -246,14 +237,11 @@ def fuse_lm_head_losses(model: onnx.ModelProto) -> int:
         )
         fused[loss.output[0]] = [
             flag,
-            helper.make_node(
-                "ATen",
+            aten_nodes.make_node(
+                FUSED,
                 [*gemm.input[:5], reshape.input[1], *loss.input[1:4], flag.output[0]],
                 [loss.output[0], f"{base}/logits_gradient", gemm.output[1], gemm.output[2], logits],
-                name=f"{gemm.name or logits}/linear_cross_entropy_bf16",
-                domain="org.pytorch.aten",
-                operator=FUSED,
-                overload_name="",
+                f"{gemm.name or logits}/linear_cross_entropy_bf16",
             ),
         ]
         dropped.update((logits, reshape.output[0]))

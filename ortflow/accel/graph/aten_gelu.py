@@ -145,14 +145,8 @@ def tanh_gelus_to_aten(model: onnx.ModelProto) -> int:
         if found is None:
             continue
         x, pattern, final = found
-        replaced[final.output[0]] = helper.make_node(
-            "ATen",
-            [x],
-            [final.output[0]],
-            name=f"{final.name or final.output[0]}/gelu_tanh",
-            domain="org.pytorch.aten",
-            operator=OPERATOR,
-            overload_name="",
+        replaced[final.output[0]] = aten_nodes.make_node(
+            OPERATOR, [x], [final.output[0]], f"{final.name or final.output[0]}/gelu_tanh"
         )
         dropped.update(n.output[0] for n in (*pattern, final))
     if not replaced:

@@ -139,11 +139,7 @@ def max_pools_to_aten(model: onnx.ModelProto) -> int:
         nodes.append(helper.make_node("Constant", [], [f"{base}/ceil_mode"], value=ceil))
         inputs.append(f"{base}/ceil_mode")
         outputs = [node.output[0], f"{base}/indices"]
-        nodes.append(
-            helper.make_node(
-                "ATen", inputs, outputs, name=base, domain="org.pytorch.aten", operator=OPERATOR, overload_name=""
-            )
-        )
+        nodes.append(aten_nodes.make_node(OPERATOR, inputs, outputs, base))
         x = types[node.input[0]].tensor_type
         dims = [d.dim_value if d.HasField("dim_value") else None for d in x.shape.dim]
         spatial = None
@@ -166,7 +162,7 @@ def max_pools_to_aten(model: onnx.ModelProto) -> int:
 
 def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
     # null: in graphs that already run torch's kernels (a CNN's convolutions) only, as ReLU's path
-    if plan.by_torch(NAME) and (plan.settings.aten_max_pool is not None or aten_nodes.count_all(model)):
+    if plan.by_torch(NAME) and aten_nodes.follows_torch(model, plan.settings.aten_max_pool):
         max_pools_to_aten(model)  # its nodes are counted with the other ATen nodes (aten_nodes.graph_fixes)
 
 

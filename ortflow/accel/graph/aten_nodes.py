@@ -100,6 +100,27 @@ def register_gradients() -> None:
             ort.register_ort_gradient(op.forward, op.overload, op.gradient)
 
 
+def make_node(operator: str, inputs: list[str], outputs: list[str], name: str) -> onnx.NodeProto:
+    """An `org.pytorch.aten::ATen` node running `operator` (the export's form: no overload name)."""
+    return onnx.helper.make_node(
+        "ATen", inputs, outputs, name=name, domain="org.pytorch.aten", operator=operator, overload_name=""
+    )
+
+
+def set_operator(node: onnx.NodeProto, name: str) -> None:
+    """Make an ATen node run the operator `name` instead."""
+    for found in node.attribute:
+        if found.name == "operator":
+            found.s = name.encode()
+
+
+def follows_torch(model: onnx.ModelProto, setting: bool | None) -> bool:
+    """Whether an op whose setting is null-by-default takes torch's kernels in this graph: where the setting says so,
+    and for null only where the graph already runs torch's kernels (ORT's threads then do not spin-wait anyway; a
+    torch-kernel node alone would turn spinning off)."""
+    return setting is not None or bool(count_all(model))
+
+
 def operator(node: onnx.NodeProto) -> str | None:
     """The `operator` an ATen node runs (None for any other node)."""
     if node.op_type != "ATen":

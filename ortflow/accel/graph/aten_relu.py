@@ -72,17 +72,7 @@ def relus_to_aten(model: onnx.ModelProto) -> int:
             nodes.append(node)
             continue
         name = f"{node.name or node.output[0]}/relu"
-        nodes.append(
-            helper.make_node(
-                "ATen",
-                [node.input[0]],
-                [node.output[0]],
-                name=name,
-                domain="org.pytorch.aten",
-                operator=OPERATOR,
-                overload_name="",
-            )
-        )
+        nodes.append(aten_nodes.make_node(OPERATOR, [node.input[0]], [node.output[0]], name))
         if node.output[0] not in typed:  # ORT cannot infer an ATen node's output type: the input's, shape too (an
             # Add of it and a tensor of the same shape then needs no broadcast reduction in its gradient)
             graph.value_info.append(helper.make_empty_tensor_value_info(node.output[0]))
@@ -99,8 +89,7 @@ def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_pla
     # null: by torch only in a graph that already runs torch's kernels (a CNN's convolutions), where ORT's threads
     # do not spin-wait anyway; elsewhere ReLU alone would turn spinning off (the transformer recipe's artifacts step
     # was 18% slower for it)
-    follow = plan.settings.aten_relu is None
-    if plan.by_torch(NAME) and (not follow or aten_nodes.count_all(model)):
+    if plan.by_torch(NAME) and aten_nodes.follows_torch(model, plan.settings.aten_relu):
         relus_to_aten(model)  # its nodes are counted with the other ATen nodes (aten_nodes.graph_fixes)
 
 

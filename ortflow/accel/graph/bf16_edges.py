@@ -272,9 +272,7 @@ def _fuse(
     elif not scale:
         scale = _keep_and_scale(graph, masks, fed[mask])
     first.input.extend([mask, scale])
-    for attribute in first.attribute:
-        if attribute.name == "operator":
-            attribute.s = OPERATOR.encode()
+    aten_nodes.set_operator(first, OPERATOR)
     edge = f"{base}/bf16"
     first.output[0] = edge
     after.input[0] = edge

@@ -217,7 +217,7 @@ def _write(
         sources = _forks(edge, len(gradients) + others, nodes, typed, types.get(value))
         routed.update(zip(((id(r), i) for r, i in gradients), sources, strict=False))
         if others:  # fp32 for every other reader, under the map's own name
-            nodes.append(_aten(TO_FLOAT, [sources[-1]], [value], f"{value}/fp32"))
+            nodes.append(aten_nodes.make_node(TO_FLOAT, [sources[-1]], [value], f"{value}/fp32"))
             typed.append(_typed(value, types.get(value), TensorProto.FLOAT))
     value_info = [v for v in graph.value_info if v.name not in maps]
     del graph.value_info[:]
@@ -234,7 +234,7 @@ def _forks(
     names, source = [], edge
     for k in range(count - 1):
         pair = [f"{edge}/fork{k}/0", f"{edge}/fork{k}/1"]
-        nodes.append(_aten(FORK, [source], pair, f"{edge}/fork{k}"))
+        nodes.append(aten_nodes.make_node(FORK, [source], pair, f"{edge}/fork{k}"))
         typed += [_typed(name, like) for name in pair]
         names.append(pair[0])
         source = pair[1]
@@ -256,23 +256,27 @@ def _rewritten(node: onnx.NodeProto, found: _Rewrite, edge: str) -> list[onnx.No
     if found.kind in ("convolution", "torch_pool", "relu") and node.op_type == "ATen":
         node.output[0] = edge
         if found.kind == "convolution":
-            _set_operator(node, CONVOLUTION)
+            aten_nodes.set_operator(node, CONVOLUTION)
             node.output.extend([f"{edge}/input", f"{edge}/weight"])
         return [node]
     if found.kind == "relu":
-        return [_aten(aten_relu.OPERATOR, [node.input[0]], [edge], f"{name}/bf16")]
+        return [aten_nodes.make_node(aten_relu.OPERATOR, [node.input[0]], [edge], f"{name}/bf16")]
     if found.kind == "pool":
-        return [_aten(POOL, [node.input[0]], [edge], f"{name}/bf16")]
+        return [aten_nodes.make_node(POOL, [node.input[0]], [edge], f"{name}/bf16")]
     base = f"{name}/bf16"
     if found.kind == "add":
         relu, mask = _constant(f"{base}/relu", found.relu is not None), _constant(f"{base}/mask", [True, True])
         shapes = [f"{edge}/shape_a", f"{edge}/shape_b"]
-        return [relu, mask, _aten(ADD, [*node.input, relu.output[0], mask.output[0]], [edge, *shapes], base)]
+        return [
+            relu,
+            mask,
+            aten_nodes.make_node(ADD, [*node.input, relu.output[0], mask.output[0]], [edge, *shapes], base),
+        ]
     eps = _constant(f"{base}/eps", float(onnx_values.attribute(node, "epsilon", 1e-5)))
     mask = _constant(f"{base}/mask", [True, True, True])
     operator = BATCH_NORM if found.kind == "batch_norm" else BATCH_NORM_EVAL
     inputs = [*node.input[:5], eps.output[0], mask.output[0]]
-    return [eps, mask, _aten(operator, inputs, [edge, f"{edge}/mean", f"{edge}/invstd"], base)]
+    return [eps, mask, aten_nodes.make_node(operator, inputs, [edge, f"{edge}/mean", f"{edge}/invstd"], base)]
 
 
 def _constant(name: str, value: Any) -> onnx.NodeProto:
@@ -286,24 +290,12 @@ def _constant(name: str, value: Any) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value=tensor)
 
 
-def _aten(operator: str, inputs: list[str], outputs: list[str], name: str) -> onnx.NodeProto:
-    return helper.make_node(
-        "ATen", inputs, outputs, name=name, domain="org.pytorch.aten", operator=operator, overload_name=""
-    )
-
-
-def _set_operator(node: onnx.NodeProto, operator: str) -> None:
-    for attribute in node.attribute:
-        if attribute.name == "operator":
-            attribute.s = operator.encode()
-
-
 def eval_batch_norms(model: onnx.ModelProto) -> int:
     """In an eval graph made from a training graph (the artifacts engine's): each bf16 BatchNorm in its eval form
     (the running statistics, not written). Returns how many it changed."""
     changed = 0
     for node in model.graph.node:
         if aten_nodes.operator(node) == BATCH_NORM:
-            _set_operator(node, BATCH_NORM_EVAL)
+            aten_nodes.set_operator(node, BATCH_NORM_EVAL)
             changed += 1
     return changed
