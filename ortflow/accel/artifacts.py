@@ -327,11 +327,12 @@ class ArtifactsEngine:
         onnx.save(training_model, str(training_path))
         eval_path = onnx_dir / "eval_model.onnx"
         eval_model = onnx.load(str(eval_path))
-        if any(node.op_type == "BatchNormalization" for node in forward.graph.node):
+        ort_norms = any(node.op_type == "BatchNormalization" for node in forward.graph.node)
+        if ort_norms:
             self.graph_fixes["eval_batchnorm_outputs"] = batchnorm.inference_batch_norms(eval_model)
-            onnx.save(eval_model, str(eval_path))
-        if changed := bf16_maps.eval_batch_norms(eval_model):  # bf16 BatchNorms: their eval form
-            self.graph_fixes["eval_batchnorms_bf16"] = changed
+        if bf16_norms := bf16_maps.eval_batch_norms(eval_model):  # bf16 BatchNorms: their eval form
+            self.graph_fixes["eval_batchnorms_bf16"] = bf16_norms
+        if ort_norms or bf16_norms:
             onnx.save(eval_model, str(eval_path))
         optimizer_model = onnx.load(str(onnx_dir / "optimizer_model.onnx"))
         self.graphs_portable = pipeline.portable(training_model, eval_model, optimizer_model)

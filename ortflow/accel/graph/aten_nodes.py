@@ -201,8 +201,9 @@ def type_gradient_outputs(model: onnx.ModelProto) -> int:
                 continue
             elem = incoming
             read = f"I({op.differentiable[k]})" if k < len(op.differentiable) else None
-            if read in op.gradient_inputs and len(node.input) > op.gradient_inputs.index(read):
-                elem = typed.get(node.input[op.gradient_inputs.index(read)]) or incoming
+            at = op.gradient_inputs.index(read) if read in op.gradient_inputs else len(node.input)
+            if at < len(node.input):  # the gradient node reads that forward input itself
+                elem = typed.get(node.input[at]) or incoming
             elif source is not None and operator(source) == op.forward and k < len(op.differentiable):
                 elem = typed.get(source.input[op.differentiable[k]]) or incoming
             graph.value_info.append(onnx.helper.make_empty_tensor_value_info(name))

@@ -136,7 +136,8 @@ def _add_backward(grad_output, result, shape_a, shape_b, relu: bool, output_mask
 
 
 def _fork(x):
-    """The map for two readers: x itself twice (torch-kernel outputs, which ORT never reuses)."""
+    """The map for two readers: x itself twice, not copies (safe where every reader is a torch-kernel node, as
+    bf16_maps.py makes them: an ORT Cast reading such an alias corrupted the map)."""
     return x, x
 
 
