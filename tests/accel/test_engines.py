@@ -211,8 +211,9 @@ def test_artifacts_rewrites_keep_the_loss_and_every_gradient(batches, tmp_path):
     assert "relu_to_mask_mul" not in plain.describe()["graph_fixes"]
     fixes = rewritten.describe()["graph_fixes"]
     assert fixes["relu_to_mask_mul"] == 2 and fixes["embedding_to_onehot_matmul"] == 1  # one per layer; the embedding
-    # q/k/v per layer; dropout 0 here, and ORT's Dropout copies its input at ratio 0: no masks to feed
-    assert fixes["constant_gathers_to_slices"] == 6 and "dropout_to_mask_inputs" not in fixes
+    # one packed q/k/v split per layer; dropout 0 here, and ORT's Dropout copies its input at ratio 0: no masks to feed
+    assert fixes["packed_projections_to_splits"] == 2 and "constant_gathers_to_slices" not in fixes
+    assert "dropout_to_mask_inputs" not in fixes
     for x, y in batches[:3]:
         loss, grads = plain.gradients(x, y)
         loss_rewritten, grads_rewritten = rewritten.gradients(x, y)

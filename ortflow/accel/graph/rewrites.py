@@ -19,7 +19,7 @@ from ortflow.accel.compat import ort
 from ortflow.accel.graph import aten_nodes
 from ortflow.accel.graph import plan as graph_plan
 from ortflow.accel.graph.masks import DropoutMask
-from ortflow.accel.graph.onnx_values import attribute, constant_values, readers, value_types
+from ortflow.accel.graph.onnx_values import attribute, constant_values, readers, replace_nodes, value_types
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,71 @@ def constant_gathers_to_slices(model: onnx.ModelProto) -> int:
     return changed
 
 
+def _only_reader(graph_readers: dict[str, int], producers: dict[str, onnx.NodeProto], name: str, op: str):
+    """The node of type `op` that produces `name`, where `name` has no other reader; None otherwise."""
+    node = producers.get(name)
+    return node if node is not None and node.op_type == op and graph_readers.get(name) == 1 else None
+
+
+def _axes(node: onnx.NodeProto, values: dict[str, np.ndarray]) -> list[int] | None:
+    """An Unsqueeze's or Squeeze's axes, from its attribute (opset < 13) or its constant input."""
+    if len(node.input) > 1:
+        return values[node.input[1]].reshape(-1).tolist() if node.input[1] in values else None
+    return attribute(node, "axes")
+
+
+def packed_projections_to_splits(model: onnx.ModelProto) -> int:
+    """Split nn.MultiheadAttention's packed q/k/v projection with one Split.
+
+    torch splits the packed projection `p` (..., 3E) as `p.unflatten(-1, (3, E)).unsqueeze(0).transpose(0, -2)
+    .squeeze(-2)` followed by `p[0], p[1], p[2]`. That exports as Reshape, Unsqueeze, Transpose, Squeeze and three
+    constant-index Gathers, which ORT differentiates with three zero-filled gradients of the whole packed tensor
+    (SliceGrad or GatherGrad), a Sum of the three and a Transpose back: 2-4 ms a layer per step at d_model 512
+    (docs/performance.md). q, k and v are the unflattened tensor's three slices along its axis of 3, so a Split of
+    that axis (sizes 1, 1, 1: ORT refuses the graph if the axis is not 3 long) and a Squeeze each give them, and the
+    Split's gradient is one Concat. Returns how many splits were rewritten."""
+    graph = model.graph
+    values = constant_values(graph)
+    count = readers(graph)
+    producers = {out: node for node in graph.node for out in node.output}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    gathers: dict[str, dict[int, onnx.NodeProto]] = {}
+    for node in graph.node:
+        index = values.get(node.input[1]) if node.op_type == "Gather" and len(node.input) == 2 else None
+        if index is not None and index.ndim == 0 and attribute(node, "axis", 0) == 0:
+            gathers.setdefault(node.input[0], {})[int(index)] = node
+    replacements: dict[str, list[onnx.NodeProto]] = {}
+    dropped: set[str] = set()
+    for packed, by_index in gathers.items():
+        if opset < 13 or sorted(by_index) != [0, 1, 2] or count.get(packed) != 3:  # Split's sizes as an input: 13
+            continue
+        squeeze = producers.get(packed)
+        if squeeze is None or squeeze.op_type != "Squeeze" or _axes(squeeze, values) not in ([3], [-2]):
+            continue
+        transpose = _only_reader(count, producers, squeeze.input[0], "Transpose")
+        if transpose is None or attribute(transpose, "perm") != [3, 1, 2, 0, 4]:
+            continue
+        unsqueeze = _only_reader(count, producers, transpose.input[0], "Unsqueeze")
+        if unsqueeze is None or _axes(unsqueeze, values) != [0]:
+            continue
+        unflattened = unsqueeze.input[0]  # (length, batch, 3, E): the Transpose's 5 axes make it rank 4
+        base = unsqueeze.name or unflattened
+        nodes: list[onnx.NodeProto] = []
+        pieces = [f"{base}/packed_split_{i}" for i in range(3)]
+        sizes = _const(nodes, f"{base}/packed_split_sizes", np.array([1, 1, 1]))
+        axes = _const(nodes, f"{base}/packed_split_axes", np.array([2]))
+        nodes.append(helper.make_node("Split", [unflattened, sizes], pieces, name=f"{base}/packed_split", axis=2))
+        nodes += [
+            helper.make_node("Squeeze", [piece, axes], [by_index[i].output[0]], name=f"{base}/packed_squeeze_{i}")
+            for i, piece in enumerate(pieces)
+        ]
+        replacements[by_index[0].output[0]] = nodes
+        dropped |= {n.output[0] for n in (unsqueeze, transpose, squeeze, by_index[1], by_index[2])}
+    replace_nodes(graph, replacements, dropped)
+    _remove_unused_constants(graph)
+    return len(replacements)
+
+
 def relu_to_mask_mul(model: onnx.ModelProto) -> int:
     """Rewrite `Relu(x)` as `x * Cast(x > 0)`.
 
@@ -359,6 +424,7 @@ def _dropout(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_pla
 
 def _gathers(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
     if plan.settings.rewrite_gathers:
+        work.count("packed_projections_to_splits", packed_projections_to_splits(model))
         work.count("constant_gathers_to_slices", constant_gathers_to_slices(model))
 
 
@@ -417,7 +483,8 @@ graph_plan.declare(
 graph_plan.declare(
     graph_plan.GraphOp(
         "gathers",
-        "constant-index Gather (MultiheadAttention's q/k/v split) as Slice: no GatherGrad",
+        "MultiheadAttention's q/k/v split as one Split (its gradient one Concat); other constant-index Gathers as "
+        "Slices: no GatherGrad",
         __name__,
         _ORT,
         _ort,

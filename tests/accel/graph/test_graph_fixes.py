@@ -15,6 +15,7 @@ from ortflow.accel.graph.rewrites import (
     attention_dropout_in_training_mode,
     constant_gathers_to_slices,
     dropout_to_mask_inputs,
+    packed_projections_to_splits,
     relu_to_mask_mul,
     small_embeddings_to_onehot_matmul,
 )
@@ -176,3 +177,28 @@ def test_a_dropout_exported_without_training_mode_is_put_in_training_mode():
     assert attention_dropout_in_training_mode(model) == 1 and attention_dropout_in_training_mode(model) == 0
     onnx.checker.check_model(model)
     assert set(np.unique(run(model, feeds)[0]).tolist()) == {0.0, 2.0}  # now it drops, scaled by 1/(1-p)
+
+
+def test_multihead_attentions_packed_split_becomes_one_split_with_identical_results(tmp_path):
+    torch.manual_seed(0)
+
+    class SelfAttention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = torch.nn.MultiheadAttention(16, 2)  # sequence first: (length, batch, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attention(x, x, x, need_weights=False)[0]
+
+    x = torch.randn(5, 3, 16)
+    path = tmp_path / "attention.onnx"
+    torch.onnx.export(SelfAttention().eval(), (x,), str(path), opset_version=16, dynamo=False)
+    model = onnx.load(str(path))
+    feeds = {model.graph.input[0].name: x.numpy()}
+    expected = run(model, feeds)
+    assert packed_projections_to_splits(model) == 1 and packed_projections_to_splits(model) == 0
+    onnx.checker.check_model(model)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Split") == 1 and "Gather" not in ops and "Transpose" not in ops[: ops.index("Split")]
+    for got, want in zip(run(model, feeds), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
