@@ -223,6 +223,22 @@ def test_artifacts_rewrites_keep_the_loss_and_every_gradient(batches, tmp_path):
             torch.testing.assert_close(grads_rewritten[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_artifacts_embedding_by_torch_keeps_the_loss_and_every_gradient(batches, tmp_path):
+    # ORT's Gather and GatherGrad (neither torch's kernels nor the OneHot rewrite) against torch's embedding node
+    gather = make_engine(
+        "artifacts", 0.0, batches[0], tmp_path / "gather", aten_embedding=False, rewrite_embedding_max_vocab=0
+    )
+    by_torch = make_engine("artifacts", 0.0, batches[0], tmp_path / "torch", aten_embedding=True)
+    assert by_torch.describe()["graph_fixes"]["embeddings_run_by_torch"] == 1
+    assert "embeddings_run_by_torch" not in gather.describe()["graph_fixes"]
+    for x, y in batches[:3]:  # byte-level text: each batch repeats ids, whose gradient rows add up
+        loss, grads = gather.gradients(x, y)
+        loss_by_torch, grads_by_torch = by_torch.gradients(x, y)
+        assert loss_by_torch == pytest.approx(loss, rel=1e-6)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grads_by_torch[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_ortmodule_relu_rewrite_keeps_the_losses(batches, tmp_path):
     plain = make_engine("ortmodule", 0.0, batches[0], tmp_path / "plain", rewrite_relu=False)
     rewritten = make_engine("ortmodule", 0.0, batches[0], tmp_path / "rewritten")

@@ -24,6 +24,7 @@ import onnx
 from ortflow.accel.graph import (  # noqa: F401  every op module: importing one declares its op
     aten_conv,
     aten_cross_entropy,
+    aten_embedding,
     aten_gelu,
     aten_gemm,
     aten_layer_norm,
@@ -74,6 +75,7 @@ ORDER: tuple[str, ...] = (
     "max_pool",  # aten_max_pool.py
     "gathers",  # rewrites.py
     "relu_mask",  # rewrites.py
+    "embedding_lookup",  # aten_embedding.py: torch's embedding, before `embedding` rewrites those left to ORT
     "embedding",  # rewrites.py
     "gelu",  # aten_gelu.py
     "cross_entropy",  # aten_cross_entropy.py

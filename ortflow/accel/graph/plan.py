@@ -71,6 +71,11 @@ class GraphSettings:
     # on one thread (ResNet-18 64x64, fp32: 8.6 ms a step against torch's 4.8; artifacts 0.94x eager with it, ORTModule,
     # whose export already runs torch's, 1.00x). null: in graphs that already run torch's kernels, as aten_relu.
     aten_max_pool: bool | None = None
+    # An embedding's Gather run by torch's kernels inside the artifacts engine's graphs (embedding and its dense
+    # backward; accel/graph/aten_embedding.py), as ORTModule's export already runs it, instead of ORT's contending
+    # GatherGrad or the OneHot @ W below (transformer recipe, bf16-mixed, 2-core Zen 5: 2.1 ms of a 58 ms step under
+    # ORT's profiler). null: in graphs that already run torch's kernels, as aten_relu.
+    aten_embedding: bool | None = None
     # Where ORT runs ReLU: Relu -> x * (x > 0): ORT's CPU ReluGrad runs on one thread; the Mul it becomes runs in
     # parallel.
     rewrite_relu: bool = True

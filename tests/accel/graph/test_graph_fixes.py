@@ -179,6 +179,7 @@ def test_a_dropout_exported_without_training_mode_is_put_in_training_mode():
     assert set(np.unique(run(model, feeds)[0]).tolist()) == {0.0, 2.0}  # now it drops, scaled by 1/(1-p)
 
 
+@pytest.mark.filterwarnings("ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning")
 def test_multihead_attentions_packed_split_becomes_one_split_with_identical_results(tmp_path):
     torch.manual_seed(0)
 
