@@ -44,16 +44,6 @@ _LIBRARY.impl("embedding", _embedding, "CPU")
 _LIBRARY.impl("embedding_backward", _embedding_backward, "CPU")
 
 
-def embedding_shape(inference, node) -> None:
-    """(*ids.shape, weight.shape[1]), the weight's type."""
-    from onnxruntime.tools.symbolic_shape_infer import get_shape_from_sympy_shape
-
-    weight, ids = inference._get_sympy_shape(node, 0), inference._get_sympy_shape(node, 1)
-    elem = inference.known_vi_[node.input[0]].type.tensor_type.elem_type
-    shape = get_shape_from_sympy_shape([*ids, weight[1]])
-    inference.known_vi_[node.output[0]].CopyFrom(helper.make_tensor_value_info(node.output[0], elem, shape))
-
-
 aten_nodes.declare(
     OPERATOR,
     BACKWARD,
@@ -62,8 +52,7 @@ aten_nodes.declare(
     differentiable=(0,),
     mask_input=None,
     fix_name="embeddings_run_by_torch",
-    shape=embedding_shape,
-)
+)  # no shape rule: only the artifacts engine's graphs hold these nodes, typed where they are written
 
 
 def embeddings_to_aten(model: onnx.ModelProto) -> int:

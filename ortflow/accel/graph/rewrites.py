@@ -212,7 +212,9 @@ def constant_gathers_to_slices(model: onnx.ModelProto) -> int:
     return changed
 
 
-def _only_reader(graph_readers: dict[str, int], producers: dict[str, onnx.NodeProto], name: str, op: str):
+def _only_reader(
+    graph_readers: dict[str, int], producers: dict[str, onnx.NodeProto], name: str, op: str
+) -> onnx.NodeProto | None:
     """The node of type `op` that produces `name`, where `name` has no other reader; None otherwise."""
     node = producers.get(name)
     return node if node is not None and node.op_type == op and graph_readers.get(name) == 1 else None
@@ -233,7 +235,7 @@ def packed_projections_to_splits(model: onnx.ModelProto) -> int:
     constant-index Gathers, which ORT differentiates with three zero-filled gradients of the whole packed tensor
     (SliceGrad or GatherGrad), a Sum of the three and a Transpose back: 2-4 ms a layer per step at d_model 512
     (docs/performance.md). q, k and v are the unflattened tensor's three slices along its axis of 3, so a Split of
-    that axis (sizes 1, 1, 1: ORT refuses the graph if the axis is not 3 long) and a Squeeze each give them, and the
+    that axis (sizes 1, 1, 1: ORT stops with an error if the axis is not 3 long) and a Squeeze each give them, and the
     Split's gradient is one Concat. Returns how many splits were rewritten."""
     graph = model.graph
     values = constant_values(graph)
@@ -272,8 +274,9 @@ def packed_projections_to_splits(model: onnx.ModelProto) -> int:
         ]
         replacements[by_index[0].output[0]] = nodes
         dropped |= {n.output[0] for n in (unsqueeze, transpose, squeeze, by_index[1], by_index[2])}
-    replace_nodes(graph, replacements, dropped)
-    _remove_unused_constants(graph)
+    if replacements:
+        replace_nodes(graph, replacements, dropped)
+        _remove_unused_constants(graph)  # the Gathers' indices
     return len(replacements)
 
 
