@@ -77,14 +77,15 @@ def _convolution_backward(
     return tuple(grad if wanted else None for grad, wanted in zip(grads, mask, strict=True))
 
 
-def _bf16(tensor):
+def bf16_or_none(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """`tensor` in bf16 (itself if it is bf16 already); None stays None."""
     return None if tensor is None else tensor.to(torch.bfloat16)
 
 
 def _convolution_bf16(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, output_mask):
     """trainer.precision=bf16-mixed: the convolution of bf16 copies (torch's CPU autocast), returned in fp32."""
     args = (stride, padding, dilation, transposed, output_padding, groups, output_mask)
-    return _convolution(_bf16(input), _bf16(weight), _bf16(bias), *args).float()
+    return _convolution(bf16_or_none(input), bf16_or_none(weight), bf16_or_none(bias), *args).float()
 
 
 def _convolution_bf16_backward(
@@ -93,15 +94,21 @@ def _convolution_bf16_backward(
     """The input and weight gradients as bf16 convolutions, returned in fp32; the bias gradient summed in fp32."""
     args = (stride, padding, dilation, transposed, output_padding, groups)
     grad_input, grad_weight, _ = _convolution_backward(
-        _bf16(grad_output), _bf16(input), _bf16(weight), bias, *args, [output_mask[0], output_mask[1], False]
+        bf16_or_none(grad_output),
+        bf16_or_none(input),
+        bf16_or_none(weight),
+        bias,
+        *args,
+        [output_mask[0], output_mask[1], False],
     )
     grad_bias = None
     if bool(output_mask[2]) and bias is not None:
         grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
-    return _float(grad_input), _float(grad_weight), grad_bias
+    return float_or_none(grad_input), float_or_none(grad_weight), grad_bias
 
 
-def _float(tensor):
+def float_or_none(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """`tensor` in fp32 (itself if it is fp32 already); None stays None."""
     return None if tensor is None else tensor.float()
 
 

@@ -21,6 +21,7 @@ import torch
 from onnx import TensorProto
 
 from ortflow.accel.graph import aten_nodes, aten_shapes
+from ortflow.accel.graph.aten_conv import bf16_or_none, float_or_none
 
 CONVOLUTION = "ortflow::convolution_bf16_maps"
 CONVOLUTION_BACKWARD = "ortflow::convolution_bf16_maps_backward"
@@ -63,20 +64,12 @@ _LIBRARY.define("float_of_bf16_backward(Tensor grad_output) -> Tensor")
 _LIBRARY.define("global_average_pool_bf16_backward(Tensor grad_output, Tensor x) -> Tensor")
 
 
-def _bf16(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(torch.bfloat16)
-
-
-def _float(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.float()
-
-
 def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, output_mask):
     """The convolution of bf16 copies (autocast's), returned in bf16, and the copies of input and weight, which the
     gradient node takes (no copy of an input that arrives bf16; each converted once per step, as autocast does)."""
     args = (stride, padding, dilation, transposed, output_padding, groups)
-    input16, weight16 = _bf16(input), _bf16(weight)
-    return torch.ops.aten.convolution(input16, weight16, _bf16(bias), *args), input16, weight16
+    input16, weight16 = bf16_or_none(input), bf16_or_none(weight)
+    return torch.ops.aten.convolution(input16, weight16, bf16_or_none(bias), *args), input16, weight16
 
 
 def _convolution_backward(
@@ -86,11 +79,11 @@ def _convolution_backward(
     the kernel in bf16): the input's in bf16 where it arrived bf16 (`output_mask[3]`), the others in fp32."""
     args = (stride, padding, dilation, transposed, output_padding, groups)
     grad_input, grad_weight, grad_bias = torch.ops.ortflow.convolution_backward(
-        grad_output, input16, weight16, _bf16(bias), *args, output_mask[:3]
+        grad_output, input16, weight16, bf16_or_none(bias), *args, output_mask[:3]
     )
     if grad_input is not None and not output_mask[3]:
         grad_input = grad_input.float()
-    return grad_input, _float(grad_weight), _float(grad_bias)
+    return grad_input, float_or_none(grad_weight), float_or_none(grad_bias)
 
 
 def _batch_norm(input, weight, bias, running_mean, running_var, eps, output_mask):
