@@ -200,7 +200,7 @@ def softmax_cross_entropies_to_aten(model: onnx.ModelProto) -> int:
     graph.node.extend(kept)
     aten_nodes.import_domain(model)
     # ORT cannot infer an ATen node's output type: the loss is a float scalar, as SoftmaxCrossEntropyLoss's was
-    typed = {v.name for v in (*graph.input, *graph.value_info, *graph.output) if v.type.tensor_type.elem_type}
+    typed = onnx_values.typed_names(graph)
     for node in graph.node:
         if aten_nodes.operator(node) == OPERATOR and node.output[0] not in typed:
             graph.value_info.append(helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, []))

@@ -17,11 +17,10 @@ aten_relu.py explains; the others keep the Gather, which the plan's next op, `em
 
 import onnx
 import torch
-from onnx import helper
 
 from ortflow.accel.graph import aten_nodes
 from ortflow.accel.graph import plan as graph_plan
-from ortflow.accel.graph.onnx_values import attribute, constant_values, value_types
+from ortflow.accel.graph.onnx_values import attribute, constant_values, declare_type, typed_names, value_types
 
 OPERATOR = "ortflow::embedding"
 BACKWARD = "ortflow::embedding_backward"
@@ -74,7 +73,7 @@ def embeddings_to_aten(model: onnx.ModelProto) -> int:
     if not found:
         return 0  # (before the shape inference below)
     types = value_types(model)
-    typed = {v.name for v in (*graph.input, *graph.value_info, *graph.output) if v.type.tensor_type.elem_type}
+    typed = typed_names(graph)
     replaced = {id(node) for node in found}
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
@@ -84,8 +83,7 @@ def embeddings_to_aten(model: onnx.ModelProto) -> int:
         name = f"{node.name or node.output[0]}/embedding"
         nodes.append(aten_nodes.make_node(OPERATOR, list(node.input), [node.output[0]], name))
         if node.output[0] not in typed and node.output[0] in types:  # ORT cannot infer an ATen node's output type
-            graph.value_info.append(helper.make_empty_tensor_value_info(node.output[0]))
-            graph.value_info[-1].type.CopyFrom(types[node.output[0]])
+            declare_type(graph, node.output[0], types[node.output[0]])
     del graph.node[:]
     graph.node.extend(nodes)
     aten_nodes.import_domain(model)

@@ -18,11 +18,10 @@ these forms.
 
 import onnx
 import torch
-from onnx import helper
 
 from ortflow.accel.graph import aten_nodes, aten_shapes
 from ortflow.accel.graph import plan as graph_plan
-from ortflow.accel.graph.onnx_values import value_types
+from ortflow.accel.graph.onnx_values import declare_type, typed_names, value_types
 
 OPERATOR = "ortflow::relu"
 BACKWARD = "ortflow::relu_backward"
@@ -63,7 +62,7 @@ def relus_to_aten(model: onnx.ModelProto) -> int:
     if not any(node.op_type == "Relu" for node in graph.node):
         return 0  # (before the shape inference below)
     types = value_types(model)
-    typed = {v.name for v in (*graph.input, *graph.value_info, *graph.output) if v.type.tensor_type.elem_type}
+    typed = typed_names(graph)
     nodes: list[onnx.NodeProto] = []
     changed = 0
     for node in graph.node:
@@ -75,8 +74,7 @@ def relus_to_aten(model: onnx.ModelProto) -> int:
         nodes.append(aten_nodes.make_node(OPERATOR, [node.input[0]], [node.output[0]], name))
         if node.output[0] not in typed:  # ORT cannot infer an ATen node's output type: the input's, shape too (an
             # Add of it and a tensor of the same shape then needs no broadcast reduction in its gradient)
-            graph.value_info.append(helper.make_empty_tensor_value_info(node.output[0]))
-            graph.value_info[-1].type.CopyFrom(type_)
+            declare_type(graph, node.output[0], type_)
         changed += 1
     if changed:
         del graph.node[:]

@@ -14,6 +14,17 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     return {v.name: v.type for v in (*graph.input, *graph.value_info, *graph.output)}
 
 
+def typed_names(graph: onnx.GraphProto) -> set[str]:
+    """The values whose element type the graph already declares (inputs, value_info, outputs)."""
+    return {v.name for v in (*graph.input, *graph.value_info, *graph.output) if v.type.tensor_type.elem_type}
+
+
+def declare_type(graph: onnx.GraphProto, name: str, type_: onnx.TypeProto) -> None:
+    """Declare value `name`'s type in the graph's value_info (ORT cannot infer an ATen node's output type)."""
+    graph.value_info.append(helper.make_empty_tensor_value_info(name))
+    graph.value_info[-1].type.CopyFrom(type_)
+
+
 def attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
     """A node's attribute `name` as a Python value (ints, floats, bytes, lists, tensors), or `default` if absent."""
     found = next((a for a in node.attribute if a.name == name), None)
