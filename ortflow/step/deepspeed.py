@@ -108,7 +108,8 @@ class DeepSpeedSteps:
         _refuse_scalars(module)
         deepspeed = _import_deepspeed()
         self.trainable = [p for p in module.parameters() if p.requires_grad]
-        optimizer = build_torch_optimizer(self.trainable, optim)
+        # torch's default loop: DeepSpeed's ZeRO optimizers step it on their own flat fp32 partitions
+        optimizer = build_torch_optimizer(self.trainable, optim, fused=False)
         self.stage = cfg.zero_stage
         self.grad_clip = grad_clip
         config = ds_config(cfg, batch_size, grad_clip, accumulate)
