@@ -27,3 +27,11 @@ def build_torch_optimizer(params, cfg: OptimConfig, fused: bool | None = None) -
             fused=True if wanted and params and fusable else None,
         )
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def restore_kernel_choice(optimizer: torch.optim.Optimizer) -> None:
+    """After load_state_dict: step with the kernel this run chose (`optim.fused`), not the one the checkpoint's
+    param_groups name (a run that wrote it with the other setting, or before ortflow chose)."""
+    for group in optimizer.param_groups:
+        if "fused" in group:
+            group["fused"] = optimizer.defaults.get("fused")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ortflow.config import OptimConfig
-from ortflow.step.optim import build_torch_optimizer
+from ortflow.step.optim import build_torch_optimizer, restore_kernel_choice
 
 
 class Steps(Protocol):
@@ -93,6 +93,7 @@ class TorchSteps:
         if state.get("format") != "torch":
             return False
         self.optimizer.load_state_dict(state["state"])
+        restore_kernel_choice(self.optimizer)
         return True
 
     def save_shards(self, directory: Path) -> None:

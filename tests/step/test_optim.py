@@ -5,7 +5,7 @@ import copy
 import torch
 
 from ortflow.config import OptimConfig, OptimName
-from ortflow.step.optim import build_torch_optimizer
+from ortflow.step.optim import build_torch_optimizer, restore_kernel_choice
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -37,3 +37,11 @@ def test_adamw_falls_back_to_torchs_loop_where_no_fused_kernel_applies():
 
 def test_sgd_ignores_the_adamw_setting():
     assert isinstance(build_torch_optimizer(_params(), OptimConfig(name=OptimName.sgd)), torch.optim.SGD)
+
+
+def test_a_resumed_optimizer_steps_with_this_runs_kernel_not_the_checkpoints():
+    saved = build_torch_optimizer(_params(), OptimConfig(fused=False)).state_dict()
+    resumed = build_torch_optimizer(_params(), OptimConfig())
+    resumed.load_state_dict(saved)
+    restore_kernel_choice(resumed)
+    assert all(group["fused"] is True for group in resumed.param_groups)
