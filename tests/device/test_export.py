@@ -226,11 +226,14 @@ def vision_run(tmp_path_factory) -> Path:
 
 def test_the_vision_recipes_own_run_exports_and_its_check_states_what_it_detects(vision_run, tmp_path):
     """Its later steps drift as rounding drifts in a ReLU/BatchNorm network under AdamW (a fixed 1e-5 refused it on a
-    Zen 5); the first step, from the same weights, is held to 1e-5 and less."""
+    Zen 5); the first update, from the same weights, is held to 1e-5. The step-1 gradients are held to 10x eager's
+    own spread under one ulp of the weights, which depends on the CPU: the median tolerance was at most 1e-4 on the
+    Zen 5s and 5.0e-3 on a 2-core Intel Xeon (AMX), where eager's early-layer gradients move by 5e-4 under one ulp.
+    A 1e-4 error in the head's gradient is caught on both (the planted fault "gradient-1e-4" below)."""
     check_record = _export(vision_run, "--out", str(tmp_path / "set"))["check"]
     assert check_record["passed"], check_record["failures"]
     detects = check_record["detects"]
-    assert detects["first_update"] <= 1e-5 and detects["step1_gradient_median"] <= 1e-4, detects
+    assert detects["first_update"] <= 1e-5 and detects["step1_gradient_median"] <= 1e-2, detects
     assert detects["batchnorm_statistics_update"] <= 1e-3, detects
     band = check_record["eager_noise"]["loss_band"]
     assert band[-1] > 10 * band[0]  # eager's own noise, measured: a rounding at step 1, growing after
