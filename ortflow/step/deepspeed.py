@@ -108,8 +108,7 @@ class DeepSpeedSteps:
         _refuse_scalars(module)
         deepspeed = _import_deepspeed()
         self.trainable = [p for p in module.parameters() if p.requires_grad]
-        # torch's default loop: DeepSpeed's ZeRO optimizers step it on their own flat fp32 partitions
-        optimizer = build_torch_optimizer(self.trainable, optim, fused=False)
+        optimizer = build_torch_optimizer(self.trainable, optim)  # ZeRO steps it on its own flat fp32 partitions
         self.stage = cfg.zero_stage
         self.grad_clip = grad_clip
         config = ds_config(cfg, batch_size, grad_clip, accumulate)
