@@ -274,8 +274,8 @@ class OptimConfig:
     betas: list[float] = ranged([0.9, 0.999], Len(2, 2), each=Interval(ge=0, lt=1))  # adamw only
     eps: float = ranged(1e-8, Interval(gt=0, le=1))  # adamw only
     momentum: float = ranged(0.0, Interval(ge=0, lt=1))  # sgd only
-    # adamw only, where torch's optimizer steps (not accel=artifacts, whose AdamW is ORT's): torch's fused kernel,
-    # one pass over each tensor, for parameters on the CPU or CUDA; false: torch's default loop
+    # adamw only: torch's fused kernel, one pass over each tensor, for parameters on the CPU or CUDA (accel=artifacts:
+    # on ORT's own buffers); false: torch's default loop (accel=artifacts: ORT's AdamW graph, moments in ORT's state)
     fused: bool = True
 
 

@@ -37,14 +37,15 @@ class StepOne:
 
 
 class _ReadBeforeStep:
-    """An ORT training-API optimizer that reads the gradients ORT holds before each call of its graph."""
+    """The artifacts engine's optimizer (ORT's graph, or torch's fused AdamW on ORT's buffers) reading the gradients
+    ORT holds before each step."""
 
     def __init__(self, optimizer: Any, read: Callable[[], None]) -> None:
         self._optimizer, self._read = optimizer, read
 
-    def step(self) -> None:
+    def step(self, *args: Any) -> None:
         self._read()
-        self._optimizer.step()
+        self._optimizer.step(*args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)

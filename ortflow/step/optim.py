@@ -1,5 +1,8 @@
-"""The optim group (conf/optim/): torch.optim optimizers built from it. The artifacts engine bakes the same
-settings into ORT's optimizer graph (ortflow/accel/artifacts.py)."""
+"""The optim group (conf/optim/): torch.optim optimizers built from it, and their state as checkpoints hold it. The
+artifacts engine steps the same AdamW on ORT's buffers (ortflow/accel/buffer_adamw.py), or bakes these settings into
+ORT's optimizer graph (optim.fused=false, and SGD)."""
+
+from typing import Any
 
 import torch
 
@@ -34,3 +37,17 @@ def restore_kernel_choice(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         if "fused" in group:
             group["fused"] = optimizer.defaults.get("fused")
+
+
+def saved_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A torch.optim optimizer's state as a checkpoint holds it (eager, ORTModule, the artifacts engine's AdamW)."""
+    return {"format": "torch", "state": optimizer.state_dict()}
+
+
+def load_saved_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+    """`saved_state`'s dict into `optimizer`; False (nothing loaded) for state another runtime kept."""
+    if state.get("format") != "torch":
+        return False
+    optimizer.load_state_dict(state["state"])
+    restore_kernel_choice(optimizer)
+    return True

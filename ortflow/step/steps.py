@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ortflow.config import OptimConfig
-from ortflow.step.optim import build_torch_optimizer, restore_kernel_choice
+from ortflow.step.optim import build_torch_optimizer, load_saved_state, saved_state
 
 
 class Steps(Protocol):
@@ -87,14 +87,10 @@ class TorchSteps:
         self.optimizer.zero_grad(set_to_none=True)
 
     def state(self) -> dict[str, Any]:
-        return {"format": "torch", "state": self.optimizer.state_dict()}
+        return saved_state(self.optimizer)
 
     def load(self, state: dict[str, Any]) -> bool:
-        if state.get("format") != "torch":
-            return False
-        self.optimizer.load_state_dict(state["state"])
-        restore_kernel_choice(self.optimizer)
-        return True
+        return load_saved_state(self.optimizer, state)
 
     def save_shards(self, directory: Path) -> None:
         return None

@@ -143,7 +143,8 @@ def test_ortmodule_fallback_fail_stops_and_warn_records_pytorch(tmp_path, batche
 )
 def test_trained_weights_carry_over_between_engines_by_torch_names(source, target, batches, tmp_path):
     """What checkpoint conversion rests on: any engine's weights, loaded into the torch model, give another engine
-    the same model; the optimizer state carries over only between the two torch.optim engines."""
+    the same model; the optimizer state carries over too (all three step torch's AdamW; the artifacts engine on ORT's
+    buffers)."""
     first = make_engine(source, 0.1, batches[0], tmp_path / "a")
     losses(first, batches[:5])
     weights = first.model_state_dict()
@@ -156,8 +157,7 @@ def test_trained_weights_carry_over_between_engines_by_torch_names(source, targe
     expected, got = first.eval_step(x, y), second.eval_step(x, y)
     assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-5)
     assert got.sums["accuracy"] == expected.sums["accuracy"]
-    same_runtime = {source, target} <= {"eager", "ortmodule"}
-    assert second.load_optimizer_state(first.optimizer_state()) == same_runtime
+    assert second.load_optimizer_state(first.optimizer_state())
 
 
 @pytest.mark.parametrize("kind", ["eager", "ortmodule", "artifacts"])

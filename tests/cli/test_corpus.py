@@ -91,7 +91,11 @@ CHECKPOINTS = [
     ("ckpt-weights-only", ["trainer.resume={made}/weights_only.pt"], "weights only"),
     ("ckpt-future-version", ["trainer.resume={made}/future_version.pt"], "future_version.pt"),
     ("ckpt-arbitrary-object", ["trainer.resume={made}/arbitrary_object.pt"], "arbitrary_object.pt"),
-    ("ckpt-corrupt-ort-state", ["accel=artifacts", "trainer.resume={made}/corrupt_ort_state.pt"], "ONNX Runtime"),
+    (
+        "ckpt-corrupt-ort-state",
+        ["accel=artifacts", "optim.fused=false", "trainer.resume={made}/corrupt_ort_state.pt"],
+        "ONNX Runtime",
+    ),
     ("ckpt-other-model", ["model.d_model=64", "trainer.resume={made}/good.pt"], "does not fit this model"),
     ("ckpt-beyond-max-steps", ["trainer.max_steps=4", "trainer.resume={made}/good.pt"], "trainer.max_steps=4"),
     ("ckpt-auto-none-valid", ["hydra.run.dir={made}/auto_run", "trainer.resume=auto"], "no checkpoint in"),
@@ -99,8 +103,8 @@ CHECKPOINTS = [
 CASES = CONFIGS + RECIPES + DATA + CHECKPOINTS
 
 
-def _checkpoint_run(cwd: Path, accel: str) -> Path:
-    result = run_cli(*TINY, f"accel={accel}", "trainer.checkpoint.every=3", "hydra.run.dir=run", cwd=cwd)
+def _checkpoint_run(cwd: Path, accel: str, *overrides: str) -> Path:
+    result = run_cli(*TINY, f"accel={accel}", *overrides, "trainer.checkpoint.every=3", "hydra.run.dir=run", cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     return cwd / "run" / "checkpoints"
 
@@ -125,7 +129,9 @@ def made(tmp_path_factory) -> Path:
     payload = checkpoint.load(out / "good.pt")
     _resave({**payload, "version": 99}, out / "future_version.pt")
     torch.save({"when": datetime.date(2026, 1, 1)}, out / "arbitrary_object.pt")
-    artifacts = checkpoint.load(_checkpoint_run(tmp_path_factory.mktemp("artifacts"), "artifacts") / "step-00000006.pt")
+    # ORT's own state is in the checkpoint where ORT's optimizer graph steps (optim.fused=false)
+    ort_run = _checkpoint_run(tmp_path_factory.mktemp("artifacts"), "artifacts", "optim.fused=false")
+    artifacts = checkpoint.load(ort_run / "step-00000006.pt")
     artifacts["optimizer"]["checkpoint"] = b"\x00garbage" * 64
     _resave(artifacts, out / "corrupt_ort_state.pt")
     os.mkfifo(out / "fifo")  # reading it would block forever

@@ -181,8 +181,7 @@ def test_a_checkpoint_from_one_accel_mode_continues_in_another(source, target, t
     assert status == 0, stderr[-3000:]
     info = record(tmp_path / "second")
     assert info["resumed_from"]["written_by_accel"] == source and info["resumed_from"]["step"] == 6
-    torch_optim = {"none", "ortmodule"}
-    assert info["resumed_from"]["optimizer_restored"] == ({source, target} <= torch_optim)
+    assert info["resumed_from"]["optimizer_restored"]  # all three step torch's AdamW (optim.fused)
     assert info["engine"]["executed_by"] == ("pytorch" if target == "none" else "onnxruntime")
 
 
