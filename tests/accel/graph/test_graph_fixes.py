@@ -149,9 +149,10 @@ def test_drawn_masks_follow_torchs_seed_and_differ_between_sites_and_steps():
 
 
 def test_masks_drawn_on_threads_are_the_masks_one_thread_draws():
-    """A seed fixes the masks whatever the threads: masks across the sampler's stream boundaries (CHUNK values), of
-    different ratios, dtypes and keep flags; the threads' buffers are reused from one step to the next."""
-    chunk = masks_module.CHUNK
+    """A seed fixes the masks whatever the threads: masks across the sampler's stream (STREAM values) and block
+    boundaries, of odd sizes, different ratios, dtypes and keep flags; the buffers are reused from one step to the
+    next."""
+    chunk = masks_module.STREAM
     masks = [
         DropoutMask("a", (3, chunk // 2 + 7), 0.1),
         DropoutMask("b", (chunk + 5,), 0.5, np.dtype(np.float16)),
@@ -167,6 +168,8 @@ def test_masks_drawn_on_threads_are_the_masks_one_thread_draws():
             assert g.dtype == w.dtype == m.dtype and g.shape == m.shape
             np.testing.assert_array_equal(g, w, err_msg=m.name)
     assert 0.45 < (got[1] != 0).mean() < 0.55 and not got[2].any() and set(np.unique(got[3])) == {0, 1}
+    flat = got[0].reshape(-1)
+    assert (flat[: chunk // 2] != flat[chunk : chunk + chunk // 2]).any()  # a second stream is not the first again
 
 
 def test_a_dropout_exported_without_training_mode_is_put_in_training_mode():
