@@ -17,13 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ortflow.accel.compat.ort import buffer_view
 from ortflow.config import OptimConfig
 from ortflow.step.optim import build_torch_optimizer, load_saved_state, saved_state
-
-
-def _view(value: Any) -> torch.Tensor:
-    """An ORT OrtValue's buffer as a torch tensor sharing its memory."""
-    return torch.from_dlpack(value.to_dlpack())
 
 
 class BufferAdamW:
@@ -32,7 +28,7 @@ class BufferAdamW:
 
     def __init__(self, state: Any, names: list[str], optim: OptimConfig, grad_clip: float | None, lr: float) -> None:
         self._state, self._names, self._grad_clip = state._state, names, grad_clip
-        self._params = [nn.Parameter(_view(self._state.get_parameter(n).data)) for n in names]
+        self._params = [nn.Parameter(buffer_view(self._state.get_parameter(n).data)) for n in names]
         self.optimizer = build_torch_optimizer(self._params, optim)
         self.set_learning_rate(lr)
 
@@ -43,17 +39,16 @@ class BufferAdamW:
     def get_learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def step(self, norm: float | None = None) -> None:
-        """One update from the gradients ORT holds now, clipped to trainer.grad_clip by the global norm `norm`
-        (computed here when not given). The gradient buffers are left clipped; the engine resets them."""
+    def step(self, norm: float) -> None:
+        """One update from the gradients ORT holds now, clipped to trainer.grad_clip by their global norm `norm` (the
+        engine's). The gradient buffers are left clipped; the engine resets them."""
         for param, name in zip(self._params, self._names, strict=True):
             grad = self._state.get_parameter(name).grad
-            param.grad = _view(grad) if grad.has_value() else None
+            param.grad = buffer_view(grad) if grad.has_value() else None
         graded = [p for p in self._params if p.grad is not None]
         try:
             if self._grad_clip is not None and graded:
-                total = torch.nn.utils.get_total_norm([p.grad for p in graded]) if norm is None else torch.tensor(norm)
-                torch.nn.utils.clip_grads_with_norm_(graded, self._grad_clip, total)  # reads each parameter's .grad
+                torch.nn.utils.clip_grads_with_norm_(graded, self._grad_clip, torch.tensor(norm))  # reads each .grad
             self.optimizer.step()
         finally:
             for param in self._params:

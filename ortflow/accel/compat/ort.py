@@ -109,7 +109,12 @@ def gradient_views(state, names: list[str]) -> list[torch.Tensor]:
     share their memory (DLPack; no copy), valid until the next training or optimizer run. The public
     `state.parameters[name].grad` copies each buffer into a new numpy array."""
     grads = (state._state.get_parameter(name).grad for name in names)
-    return [torch.from_dlpack(grad.to_dlpack()) for grad in grads if grad.has_value()]
+    return [buffer_view(grad) for grad in grads if grad.has_value()]
+
+
+def buffer_view(value) -> torch.Tensor:
+    """An ORT OrtValue's buffer as a torch tensor sharing its memory (DLPack; no copy)."""
+    return torch.from_dlpack(value.to_dlpack())
 
 
 def ort_optimizer(path: Path, module, options=None):
