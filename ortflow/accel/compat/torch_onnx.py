@@ -1,7 +1,10 @@
 """torch's TorchScript ONNX exporter as the ORT engines use it: the training-mode export and torch's own symbolics,
 wherever the installed torch keeps them."""
 
+import contextlib
+import contextvars
 import importlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -69,3 +72,39 @@ def default_symbolic(name: str, opset: int):
         return None
     own = {version: fn for version, fn in group._functions._base.items() if version <= opset}
     return own[max(own)] if own else None
+
+
+# ----------------------------------------------------------------------------------------------- graph passes
+# A pass of ortflow's own run on torch's traced graph right before the exporter lowers it to ONNX (where every
+# value still carries what autograd knew of it when it was traced: requires_grad), while `before_lowering` is in
+# force. The exporter calls torch._C._jit_pass_onnx through the module each time, so one wrapper set once serves
+# every torch of the range.
+_PASS: contextvars.ContextVar[Callable[[torch._C.Graph], None] | None] = contextvars.ContextVar(
+    "ortflow_pass_before_onnx", default=None
+)
+
+
+def _install_pass_hook() -> None:
+    lowering = torch._C._jit_pass_onnx
+    if getattr(lowering, "_ortflow_hook", False):
+        return
+
+    def lower(graph, operator_export_type):
+        if (run := _PASS.get()) is not None:
+            run(graph)
+        return lowering(graph, operator_export_type)
+
+    lower._ortflow_hook = True  # type: ignore[attr-defined]
+    torch._C._jit_pass_onnx = lower
+
+
+@contextlib.contextmanager
+def before_lowering(graph_pass: Callable[[torch._C.Graph], None]) -> Iterator[None]:
+    """While inside: `graph_pass(graph)` runs on each traced TorchScript graph torch exports, before its symbolics
+    turn it into ONNX."""
+    _install_pass_hook()
+    token = _PASS.set(graph_pass)
+    try:
+        yield
+    finally:
+        _PASS.reset(token)

@@ -27,7 +27,7 @@ def _exporting(plan: GraphPlan | None, opset: int, module: nn.Module) -> Iterato
     # The export traces one training forward in torch. Where ORT's kernel keeps BatchNorm's statistics, the update
     # that trace makes is undone (the host's path overwrites it with its own).
     kept = plan.path(batchnorm.NAME) is Path.ort
-    with pipeline.exporting(plan, opset), buffers_kept(module) if kept else contextlib.nullcontext():
+    with pipeline.exporting(plan, opset, module), buffers_kept(module) if kept else contextlib.nullcontext():
         yield
 
 

@@ -20,7 +20,9 @@ import logging
 from collections.abc import Callable, Iterator
 
 import onnx
+from torch import nn
 
+from ortflow.accel.compat import torch_onnx
 from ortflow.accel.graph import (  # noqa: F401  every op module: importing one declares its op
     aten_conv,
     aten_cross_entropy,
@@ -38,6 +40,7 @@ from ortflow.accel.graph import (  # noqa: F401  every op module: importing one 
     decompositions,
     onnx_gradients,
     rewrites,
+    stop_gradients,
     symbolics,
 )
 from ortflow.accel.graph.plan import OPS, GraphOp, GraphPlan, GraphWork, NoPortablePath, Target
@@ -65,6 +68,7 @@ def planted(plant: Plant) -> Iterator[None]:
 # dropout, speed rewrites, and torch's kernels as ATen nodes last (bf16 edges fuse the GEMM and ReLU nodes the others
 # wrote). Every op with a rewrite is named here once; an op a user adds goes here too.
 ORDER: tuple[str, ...] = (
+    "stop_gradients",  # stop_gradients.py: counts the stops the export wrote (detach, no_grad regions)
     "attention_dropout_mode",  # rewrites.py: attention's Dropout trains (its mode fixed before dropout's rewrite)
     "batchnorm_statistics",  # batchnorm.py
     "instance_norm",  # rewrites.py: written out, ORT cannot differentiate it
@@ -96,9 +100,15 @@ def ops_in_order() -> list[GraphOp]:
 
 
 @contextlib.contextmanager
-def exporting(plan: GraphPlan, opset: int) -> Iterator[None]:
-    """Around torch's export at `opset`: the symbolics of the plan in force."""
-    with symbolics.exporting(plan, opset):
+def exporting(plan: GraphPlan, opset: int, module: nn.Module | None = None) -> Iterator[None]:
+    """Around torch's export at `opset` of `module`: the symbolics of the plan in force, and autograd's stops
+    (detach, no_grad regions) marked where they hold, from a trace of `module` with grad enabled
+    (accel/graph/stop_gradients.py)."""
+    with (
+        symbolics.exporting(plan, opset),
+        torch_onnx.before_lowering(stop_gradients.mark),
+        stop_gradients.traced_with_grad(module) if module is not None else contextlib.nullcontext(),
+    ):
         yield
 
 
