@@ -22,7 +22,7 @@ from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import buffer_adamw, failures, torch_adamw
+from ortflow.accel import buffer_adamw, failures, first_step, torch_adamw
 from ortflow.accel.compat import export_warnings, ort, torch_onnx, versions
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
 from ortflow.accel.graph import aten_cross_entropy, aten_nodes, batchnorm, bf16_maps, bf16_weights, pipeline
@@ -35,7 +35,7 @@ from ortflow.distributed import MULTI_PROCESS
 from ortflow.errors import OrtflowError, root_reason
 from ortflow.files import as_write_failure
 from ortflow.model import state_dict
-from ortflow.model.probe import training_forward_probe
+from ortflow.model.probe import buffers_kept, training_forward_probe
 from ortflow.ranges import ranged
 from ortflow.report import terminal
 from ortflow.step.batch import Inputs, Layout
@@ -238,6 +238,7 @@ class ArtifactsEngine:
         self.loss_block = self.loss.ort_block() if self.accumulate == 1 and not by_torch else None
         forward, work = self._export(ctx, settings.opset, example_inputs)
         self.graph_fixes, self.masks = work.fixes, work.masks
+        self.check = first_step.Pending(settings.verify, any(n.op_type == "Dropout" for n in forward.graph.node))
         self.aten_nodes = work.torch_nodes  # torch's kernels inside ORT (accel/graph/aten_nodes.py)
         if self.aten_nodes:
             ort.load_aten_executor()
@@ -283,7 +284,7 @@ class ArtifactsEngine:
             export_warnings.expected(),
             _cannot_train("export the model (and its loss) to ONNX", "torch.onnx.export", model),
             training_forward_probe(model),  # the export traces one training forward: its BatchNorm update is undone
-            pipeline.exporting(self.plan, opset),
+            pipeline.exporting(self.plan, opset, exported),
         ):
             torch_onnx.export_training_onnx(exported, args, forward_path, opset, names, outputs)
         forward = onnx.load(str(forward_path))
@@ -432,6 +433,7 @@ class ArtifactsEngine:
         if len(micro) != self.accumulate:
             raise ValueError(f"this engine was built for {self.accumulate} micro-batches a step, got {len(micro)}")
         self.module.train()
+        self.check.before_first_update(lambda: self._verify(*micro[0]))
         losses = []
         for inputs, targets in micro:
             self.batch_statistics.check_training_batch(targets.size(0), self.batch_size, NAME)
@@ -470,6 +472,25 @@ class ArtifactsEngine:
         grads = {name.removeprefix(_PREFIX): np.array(self.state.parameters[name].grad) for name in self.trainable}
         self.module.lazy_reset_grad()
         return loss, grads
+
+    def _verify(self, inputs: Inputs, targets: torch.Tensor) -> first_step.Verdict:
+        """The first-step check (accel/first_step.py): one call of the training graph with every dropout mask all
+        ones and no update; BatchNorm's statistics, here and in ORT's state, as they were."""
+        self.batch_statistics.check_training_batch(targets.size(0), self.batch_size, NAME)
+        tensors, padded = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
+
+        def engine_gradients() -> dict[str, np.ndarray]:
+            with buffers_kept(self.model):
+                self._training_forward(self._feeds(tensors, padded, train=False))
+            if self.norms is not None:
+                self._write_running_statistics()
+            views = zip(self.trainable, ort.gradient_views(self.state, self.trainable), strict=True)
+            found = {n.removeprefix(_PREFIX): g.float().numpy() * self.accumulate for n, g in views}
+            self.module.lazy_reset_grad()
+            return found
+
+        flat = (*tensors, padded)
+        return first_step.verify(NAME, self.model, self.loss, self.layout, flat, self.plan.precision, engine_gradients)
 
     def _grad_norm(self) -> float:
         """The global gradient norm before clipping, computed as eager computes it (torch's norms in float32,
@@ -554,5 +575,6 @@ class ArtifactsEngine:
             "ort_eval_batches": self.evals,
             "graph_fixes": self.graph_fixes,
             "graph_plan": self.plan.record(self.graphs_portable),
+            "first_step_check": self.check.record(),
             **(self.norms.describe() if self.norms is not None else {}),
         }

@@ -16,12 +16,13 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from annotated_types import Ge, Interval
 from omegaconf import DictConfig
 from torch import nn
 
-from ortflow.accel import failures
+from ortflow.accel import failures, first_step
 from ortflow.accel.compat import ortmodule_patches
 from ortflow.accel.compat.extensions import ensure_built
 from ortflow.accel.engine import EngineContext, pad_batch, pad_eval_batch
@@ -38,6 +39,7 @@ from ortflow.ranges import ranged
 from ortflow.report import terminal
 from ortflow.step.batch import Inputs, Layout
 from ortflow.step.loss import EvalResult
+from ortflow.step.steps import TorchSteps
 from ortflow.step.with_loss import WithLoss
 
 log = logging.getLogger(__name__)
@@ -172,6 +174,9 @@ class ORTModuleEngine:
         self.called: set[str] = set()  # the modes ("train", "eval") already run once
         self.ort_steps = 0
         self.torch_steps = 0
+        # DeepSpeed's engine owns the backward and the gradients' partitions: no side backward beside it
+        self.check = first_step.Pending(settings.verify and ctx.steps is TorchSteps)
+        self.precision = ctx.precision
         self.ort_evals = 0
         self.torch_evals = 0
 
@@ -229,6 +234,7 @@ class ORTModuleEngine:
         for _, targets in micro:
             self.batch_statistics.check_training_batch(targets.size(0), self.batch_size, NAME)
         padded = [pad_batch(self.layout.flatten(x), y, self.batch_size, self.loss) for x, y in micro]
+        self.check.before_first_update(lambda: self._verify(*padded[0]))
         if self.masks:  # each micro-batch its own masks (the sampler's buffers serve one at a time)
             draws = [self.sampler.draw()] if len(micro) == 1 else [draw_masks(self.masks) for _ in micro]
             padded = [((*x, *map(torch.from_numpy, d)), y) for (x, y), d in zip(padded, draws, strict=True)]
@@ -244,6 +250,32 @@ class ORTModuleEngine:
             self.torch_steps += 1
             self._not_in_ort("training step (forward and backward)")
         return loss
+
+    def _verify(self, tensors: tuple[torch.Tensor, ...], targets: torch.Tensor) -> first_step.Verdict:
+        """The first-step check (accel/first_step.py): one forward and backward of ORTModule's training graph with
+        every dropout mask all ones, the gradients read from the parameters' .grad (no optimizer step); outside any
+        distributed wrapper, so nothing is all-reduced."""
+
+        def engine_gradients() -> dict[str, np.ndarray] | str:
+            self.module.train()
+            trainable = [(n, p) for n, p in self.user_model.named_parameters() if p.requires_grad]
+            for _, p in trainable:
+                p.grad = None
+            before = self.runs.snapshot()
+            with torch.enable_grad():
+                self._run(lambda x, y: self.module(*x, *self.eval_masks, y).backward(), tensors, targets, "train")
+            ran = self.runs.snapshot()
+            # the counters stay the training steps' proof: the check's own runs are taken back out of them
+            self.runs.forward, self.runs.backward, self.runs.inference = before
+            if not (ran[0] > before[0] and ran[1] > before[1]):
+                return "ORTModule ran the check's step in PyTorch (a fallback: the training step says so)"
+            grads = {n: p.grad.detach().float().numpy().copy() for n, p in trainable if p.grad is not None}
+            graph = ortmodule_patches.training_graph(self.module)
+            ort_dropout = graph is not None and any(n.op_type == "Dropout" for n in graph.graph.node)
+            return first_step.ORT_DROPOUT if ort_dropout else grads
+
+        flat = (*tensors, targets)
+        return first_step.verify(NAME, self.user_model, self.loss, self.layout, flat, self.precision, engine_gradients)
 
     @torch.no_grad()
     def _eval(self, tensors: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
@@ -297,5 +329,6 @@ class ORTModuleEngine:
             "torch_fallback_eval_batches": self.torch_evals,
             "graph_fixes": dict(self.graph_fixes),
             "graph_plan": self.plan.record(self._graph_portable()),
+            "first_step_check": self.check.record(),
             **(self.norms.describe() if self.norms is not None else {}),
         }

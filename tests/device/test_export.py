@@ -113,6 +113,27 @@ def test_the_set_is_portable_and_trains_as_eager_does_without_torch(exported, na
     assert result["runtime_start_lr"] == pytest.approx(1e-3)  # the runtime's own rate; the set scales it
 
 
+@pytest.mark.parametrize("idiom", ["teacher_branch", "straight_through", "codebook", "no_grad_block"])
+def test_a_models_stop_gradients_hold_in_its_device_export(idiom, tmp_path):
+    """A model stopping gradients (detach, the straight-through estimator, a VQ codebook, a no_grad block) exports
+    with its stops as ONNX's own operators, and the set trains without torch to eager's losses."""
+    run_dir = tmp_path / idiom
+    model = f"tests.helpers.stop_gradients.{idiom}"
+    overrides = ["model=custom", f"model._target_={model}", "data=digits", "data.batch_size=32"]
+    ortflow.train(
+        [*overrides, "trainer.max_steps=3", "trainer.eval_every=0", "logger.tensorboard=false"], run_dir=run_dir
+    )
+    manifest = _export(run_dir)
+    training = _files(run_dir / export_artifacts.FOLDER)["training_model.onnx"]
+    assert graphs.TORCH_DOMAIN not in graphs.domains(training)
+    assert {"SequenceConstruct", "SequenceAt"} <= {n.op_type for n in training.graph.node}
+    check = manifest["check"]
+    assert check["passed"], check["table"]
+    assert all(
+        abs(a - b) <= 1e-5 * abs(b) for a, b in zip(check["losses_without_torch"], check["losses_eager"], strict=True)
+    )
+
+
 @pytest.mark.browser
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_the_browser_trains_as_the_torch_free_path_and_its_parameters_come_back(exported, name, tmp_path):

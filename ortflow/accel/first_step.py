@@ -1,0 +1,259 @@
+"""The first-step check every ORT-engine run makes before its first update (`accel.verify`, on by default): the
+engine's gradients on the first batch against eager PyTorch's on the same batch and the same weights, one eager
+forward and backward.
+
+It is the net under everything an export can lose that no one has listed yet (a stop-gradient, a hook, a graph
+rewrite that is wrong for this model): an engine that would train another model than the one the user wrote stops
+before it changes a weight or writes a checkpoint, naming the parameters and how far off they are.
+
+Both sides run the training forward with dropout off (eager's dropout modules at p=0 for the call; the engine's fed
+masks all ones), BatchNorm's running statistics and torch's random state restored afterwards, so the run trains
+exactly as it would without the check. A model whose training forward draws random numbers that neither side can
+turn off (F.dropout with a fixed p, a random augmentation), a graph whose dropout ORT draws itself (the portable
+target, accel.rewrite_dropout=false) or an engine under DeepSpeed is not checked: the record says why.
+
+The measure: each parameter's relative L2 difference, ||g_engine - g_eager|| / max(||g_eager||, floor), the floor
+being FLOOR of the gradient a parameter of its size would have at the batch's typical entry (the RMS over every
+gradient entry): a gradient that is rounding noise by itself (a bias before a BatchNorm, zero in exact arithmetic)
+is judged against the scale of the gradients it sits among. TOLERANCE per precision: a correct engine's
+differences are rounding (fp32: at most ~1e-4 on the recipes and the zoo; bf16-mixed: eager's own bf16 kernels
+against the engine's, a few %), a 10% error in fp32 and a 50% one in bf16-mixed are well beyond them.
+"""
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ortflow.config import BF16
+from ortflow.errors import OrtflowError
+from ortflow.model.probe import buffers_kept
+from ortflow.step.with_loss import WithLoss
+
+TOLERANCE = {"fp32": 2e-2, BF16: 0.25}
+FLOOR = {"fp32": 1e-2, BF16: 5e-2}
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+SHOWN = 3  # parameters named in the error
+ORT_DROPOUT = (
+    "ORT draws this graph's dropout masks itself (accel.target=portable or accel.rewrite_dropout=false), which no "
+    "eager run can match"
+)
+
+
+@dataclass
+class Finding:
+    parameter: str
+    error: float  # relative L2 difference (inf: a gradient on one side only, or not finite)
+    norm: float  # eager's gradient norm
+
+
+@dataclass
+class Verdict:
+    """The check's record (run.json's engine.first_step_check)."""
+
+    status: str  # "passed", "failed", "skipped", "off"
+    reason: str = ""
+    tolerance: float | None = None
+    worst: list[Finding] = field(default_factory=list)
+    parameters: int = 0
+    seconds: float = 0.0
+
+    def record(self) -> dict[str, Any]:
+        found: dict[str, Any] = {"status": self.status}
+        if self.reason:
+            found["reason"] = self.reason
+        if self.status in ("passed", "failed"):
+            found.update(
+                tolerance=self.tolerance,
+                parameters=self.parameters,
+                worst=[{"parameter": f.parameter, "error": f.error} for f in self.worst],
+                seconds=round(self.seconds, 4),
+            )
+        return found
+
+
+class Pending:
+    """An engine's check: made once, before its first update (`before_first_update`), unless `accel.verify=false`
+    or the engine's graph draws dropout inside ORT (`ort_dropout`), where both sides cannot turn it off."""
+
+    def __init__(self, enabled: bool, ort_dropout: bool = False) -> None:
+        self.enabled, self.ort_dropout = enabled, ort_dropout
+        self.verdict: Verdict | None = None
+
+    def before_first_update(self, check: Callable[[], Verdict]) -> None:
+        """Run `check()` if this is the first update (the verdict kept; FirstStepDiffers raised through)."""
+        if self.verdict is not None:
+            return
+        if not self.enabled:
+            self.verdict = Verdict("off", "accel.verify=false")
+        elif self.ort_dropout:
+            self.verdict = Verdict("skipped", ORT_DROPOUT)
+        else:
+            try:
+                self.verdict = check()
+            except FirstStepDiffers as differs:
+                self.verdict = differs.verdict
+                raise
+
+    def record(self) -> dict[str, Any]:
+        return (self.verdict or Verdict("pending", "no training step yet")).record()
+
+
+@contextlib.contextmanager
+def dropout_off(model: nn.Module) -> Iterator[None]:
+    """Every dropout module's probability at 0 while inside (nn.MultiheadAttention's attention dropout too)."""
+    changed: list[tuple[nn.Module, str, float]] = []
+    for module in model.modules():
+        if isinstance(module, DROPOUTS) or type(module).__name__ == "StochasticDepth":
+            changed.append((module, "p", module.p))
+            module.p = 0.0
+        elif isinstance(module, nn.MultiheadAttention):
+            changed.append((module, "dropout", module.dropout))
+            module.dropout = 0.0
+    try:
+        yield
+    finally:
+        for module, name, value in changed:
+            setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module) -> Iterator[None]:
+    """The model's buffers, its parameters' .grad and torch's random state as they were, afterwards."""
+    rng = torch.get_rng_state()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    try:
+        with buffers_kept(model):
+            yield
+    finally:
+        for name, p in model.named_parameters():
+            p.grad = grads[name]
+        torch.set_rng_state(rng)
+
+
+def _random_forward(with_loss: nn.Module, tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether two training forwards under different seeds give different losses (randomness dropout_off missed)."""
+    losses = []
+    with torch.no_grad():
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            losses.append(with_loss(*tensors))
+    return not torch.equal(losses[0], losses[1])
+
+
+def eager_gradients(
+    model: nn.Module, loss: Any, layout: Any, tensors: tuple[torch.Tensor, ...], precision: str
+) -> dict[str, np.ndarray] | None:
+    """Eager's gradients of every trainable parameter on the flat batch `tensors` (inputs, then targets), dropout
+    off, by torch name (a parameter the backward does not reach: zeros); None where the forward is random anyway.
+    Hooks on the parameters and modules run, as in eager's step."""
+    with_loss = WithLoss(model, loss, layout, autocast=precision == BF16).train()
+    if _random_forward(with_loss, tensors):
+        return None
+    for p in model.parameters():
+        p.grad = None
+    with torch.enable_grad():
+        with_loss(*tensors).backward()
+    return {
+        name: (p.grad.detach().float().numpy().copy() if p.grad is not None else np.zeros(p.shape, np.float32))
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def compare(eager: dict[str, np.ndarray], engine: dict[str, np.ndarray], precision: str) -> list[Finding]:
+    """Each parameter's relative difference (Finding), worst first."""
+    total = sum(float(np.sum(np.square(g, dtype=np.float64))) for g in eager.values())
+    count = sum(g.size for g in eager.values()) or 1
+    rms = math.sqrt(total / count)
+    found = []
+    for name, want in eager.items():
+        got = engine.get(name)
+        if got is None:
+            got = np.zeros_like(want)
+        want64, got64 = want.astype(np.float64), np.asarray(got, np.float64).reshape(want.shape)
+        norm = float(np.linalg.norm(want64))
+        floor = FLOOR.get(precision, FLOOR["fp32"]) * rms * math.sqrt(want.size)
+        scale = max(norm, floor)
+        difference = float(np.linalg.norm(got64 - want64))
+        if not math.isfinite(difference):
+            error = math.inf
+        elif scale == 0.0:
+            error = 0.0 if difference == 0.0 else math.inf
+        else:
+            error = difference / scale
+        found.append(Finding(name, error, norm))
+    return sorted(found, key=lambda f: -f.error)
+
+
+def verify(
+    engine_name: str,
+    model: nn.Module,
+    loss: Any,
+    layout: Any,
+    tensors: tuple[torch.Tensor, ...],
+    precision: str,
+    engine_gradients: Callable[[], dict[str, np.ndarray] | str],
+) -> Verdict:
+    """The check, for an engine about to make its first update: eager's gradients, then the engine's
+    (`engine_gradients()`: one forward and backward of its training graph with dropout off, no update; or why they
+    cannot be compared: ORT drew dropout masks itself, ...), compared.
+
+    Raises:
+        FirstStepDiffers: a parameter's gradient off by more than the precision's TOLERANCE.
+    """
+    started = time.perf_counter()
+    with untouched(model), dropout_off(model):
+        eager = eager_gradients(model, loss, layout, tensors, precision)
+    if eager is None:
+        return Verdict(
+            "skipped",
+            "the model's training forward draws random numbers besides its dropout modules (F.dropout with a fixed "
+            "p, a random augmentation): eager's gradients cannot be reproduced",
+        )
+    with untouched(model):  # the model as it trains: an engine exporting now traces its real dropout sites
+        got = engine_gradients()
+    if isinstance(got, str):
+        return Verdict("skipped", got)
+    tolerance = TOLERANCE.get(precision, TOLERANCE["fp32"])
+    findings = compare(eager, got, precision)
+    verdict = Verdict(
+        "passed",
+        tolerance=tolerance,
+        worst=findings[:SHOWN],
+        parameters=len(findings),
+        seconds=time.perf_counter() - started,
+    )
+    off = [f for f in findings if not f.error <= tolerance]
+    if off:
+        verdict.status = "failed"
+        raise FirstStepDiffers(engine_name, precision, off, verdict)
+    return verdict
+
+
+def _percent(error: float) -> str:
+    return "no finite value" if not math.isfinite(error) else f"{error:.1%} off"
+
+
+class FirstStepDiffers(OrtflowError):
+    """An engine's step-1 gradients are not eager's: it would train another model than the user's."""
+
+    def __init__(self, engine: str, precision: str, off: list[Finding], verdict: Verdict) -> None:
+        named = ", ".join(f"'{f.parameter}' {_percent(f.error)}" for f in off[:SHOWN])
+        more = f" and {len(off) - SHOWN} more" if len(off) > SHOWN else ""
+        super().__init__(
+            f"accel={engine}'s first-step check failed: its step-1 gradients on the first batch differ from eager "
+            f"PyTorch's on the same batch and weights ({precision}, dropout off): {named}{more} (relative L2 "
+            f"difference; tolerance {verdict.tolerance:.0%}, far above rounding). The engine would train a "
+            "different model than the one you wrote, so the run stopped before its first update and before any "
+            "checkpoint. Run `ortflow-check` with the same overrides for the full picture (every engine against "
+            'eager\'s own noise), see docs/troubleshooting.md ("The first-step check failed"), and use accel=none '
+            "meanwhile; accel.verify=false trains anyway."
+        )
+        self.verdict = verdict
