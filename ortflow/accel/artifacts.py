@@ -63,6 +63,10 @@ class Settings(GraphSettings):
         None, Ge(1)
     )  # ORT's intra-op threads; null = as many as torch uses (one per physical core)
     allow_spinning: bool = True  # ORT's default; everything runs inside ORT here, so nothing competes with it
+    # The first-step check (accel/first_step.py): before the first update, the engine's gradients on the first batch
+    # against eager's on the same batch and weights; a difference beyond rounding stops the run. false: trust the
+    # engine (the run.json record says the check was off).
+    verify: bool = True
 
 
 def problems(cfg: DictConfig) -> list[str]:
@@ -480,9 +484,12 @@ class ArtifactsEngine:
         tensors, padded = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
 
         def engine_gradients() -> dict[str, np.ndarray]:
-            with buffers_kept(self.model):
+            updates = self.norms.updates if self.norms is not None else 0
+            explained = failures.explained(NAME, "run a training step", self.model, INSTEAD, self.plan)
+            with buffers_kept(self.model), explained:
                 self._training_forward(self._feeds(tensors, padded, train=False))
             if self.norms is not None:
+                self.norms.updates = updates  # describe()'s count is the training steps'
                 self._write_running_statistics()
             views = zip(self.trainable, ort.gradient_views(self.state, self.trainable), strict=True)
             found = {n.removeprefix(_PREFIX): g.float().numpy() * self.accumulate for n, g in views}

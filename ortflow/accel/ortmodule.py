@@ -71,6 +71,10 @@ class Settings(GraphSettings):
     # Idle ORT threads busy-wait for work by default. Under ORTModule, torch runs the optimizer and the glue between
     # ORT's runs on the same cores, and spinning ORT threads slow it down: off measured 15% faster per step.
     allow_spinning: bool = False
+    # The first-step check (accel/first_step.py): before the first update, the engine's gradients on the first batch
+    # against eager's on the same batch and weights; a difference beyond rounding stops the run. false: trust the
+    # engine (the run.json record says the check was off).
+    verify: bool = True
 
 
 def problems(cfg: DictConfig) -> list[str]:
@@ -174,8 +178,9 @@ class ORTModuleEngine:
         self.called: set[str] = set()  # the modes ("train", "eval") already run once
         self.ort_steps = 0
         self.torch_steps = 0
-        # DeepSpeed's engine owns the backward and the gradients' partitions: no side backward beside it
-        self.check = first_step.Pending(settings.verify and ctx.steps is TorchSteps)
+        # Not beside DeepSpeed's engine (it owns the backward and the gradients' partitions), nor where PyTorch may run
+        # the step (accel.fallback=warn)
+        self.check = first_step.Pending(settings.verify and ctx.steps is TorchSteps and self.fallback == Fallback.fail)
         self.precision = ctx.precision
         self.ort_evals = 0
         self.torch_evals = 0

@@ -100,6 +100,8 @@ def try_mode(
     row: dict[str, Any] = {"mode": mode}
     try:
         cfg = _compose(overrides, mode)
+        if "verify" in cfg.accel:  # the check judges every engine itself: an engine's own would stop the row
+            cfg.accel.verify = False
         if found := problems(cfg):
             raise OrtflowError("; ".join(found))
         seed_everything(cfg.seed)

@@ -42,13 +42,13 @@ def mlp() -> nn.Sequential:
 
 
 @functools.cache
-def accel_config(kind: str):
-    return make_cfg(f"accel={kind}").accel
+def accel_config(kind: str, *overrides: str):
+    return make_cfg(f"accel={kind}", *overrides).accel
 
 
-def make_engine(kind: str, model: nn.Module, example, tmp: Path):
+def make_engine(kind: str, model: nn.Module, example, tmp: Path, *overrides: str):
     ctx = EngineContext(model, example, SGD, debug=OmegaConf.structured(DebugConfig), onnx_dir=tmp / kind)
-    return accel.build(accel_config(kind), ctx)
+    return accel.build(accel_config(kind, *overrides), ctx)
 
 
 # ---------------------------------------------------------------------------------------------------- the models
@@ -203,7 +203,9 @@ def assert_trains_as_eager(kind: str, build: Callable[[Calls], nn.Module], tmp_p
     data = batches()
     eager_calls, calls = Calls(), Calls()
     eager = make_engine("none", build(eager_calls), data[0], tmp_path)
-    engine = make_engine(kind, build(calls), data[0], tmp_path)
+    # the first-step check's two backwards (eager's, the engine's) would run every hook twice more
+    off = ["accel.verify=false"] if kind in ("ortmodule", "artifacts") else []
+    engine = make_engine(kind, build(calls), data[0], tmp_path, *off)
     expected = [eager.train_step(x, y) for x, y in data]
     got = [engine.train_step(x, y) for x, y in data]
     assert engine.describe()["executed_by"] == EXECUTED_BY[kind]

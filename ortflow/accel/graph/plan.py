@@ -58,10 +58,6 @@ class GraphSettings:
     # only (every op ORT's own, dropout inside the graph, BatchNorm statistics updated by ORT's kernel): the graphs
     # a phone or a browser can train (ortflow-export-artifacts), at ORT's own speed; fp32 only.
     target: Target = Target.fast
-    # The first-step check (accel/first_step.py): before the first update, the engine's gradients on the first batch
-    # against eager's on the same batch and weights; a difference beyond rounding stops the run. false: trust the
-    # engine (the run.json record says the check was off).
-    verify: bool = True
     # MultiheadAttention's q/k/v split as one Split, other constant-index Gathers as Slices, before the gradient is
     # built: ORT's CPU GatherGrad was a third of the transformer's step, and the split's three whole-size SliceGrads
     # with their Sum 11% of it at d_model 512 in bf16. Off only to compare or to rule it out.

@@ -1,19 +1,21 @@
-"""Autograd's stop-gradients in ORT's graphs: `x.detach()`, a `torch.no_grad()` or `torch.inference_mode()` region
-inside the forward, and any other op whose output torch says carries no gradient though its input does.
+"""Autograd's stop-gradients in ORT's graphs: `x.detach()`, and a `torch.no_grad()` or `torch.inference_mode()`
+region inside the forward.
 
-torch's exporter writes none of them: `h.detach()` becomes plain `h`, and a value computed under `no_grad` is the
-same ONNX value as one computed with grad, so ORT's gradient builder would differentiate through them and train
-another model than eager's. What autograd knew is still in the traced graph, just before the exporter lowers it to
-ONNX: each value's `requires_grad`, as the trace (run with grad enabled: `traced_with_grad`) computed it. There
-`mark` puts a stop on every edge where a value that requires grad enters an op whose floating-point outputs do not
-(a detach, the first op of a no_grad region reading a trainable value, a non-differentiable op), and only there: a
-detach of what carries no gradient (a buffer, a mask, a cache, a frozen weight's product) is left to the exporter,
-which drops it, as before.
+torch's exporter writes neither: `h.detach()` becomes plain `h`, and a value computed under `no_grad` is the same ONNX
+value as one computed with grad, so ORT's gradient builder would differentiate through them and train another model
+than eager's. So, while an ORT engine exports:
+
+- the forward is traced with grad enabled (`traced_with_grad`: ORTModule exports under torch.no_grad()), and every
+  torch call made inside a no_grad or inference_mode region gets its tensors that require grad detached first
+  (`_NoGradRegions`): the trace records the region's entry as the detach eager's autograd implies;
+- just before the exporter lowers the traced graph to ONNX, `mark` turns every `aten::detach` into a stop;
+- on the exported graph, `_resolve` drops the stops whose input no trainable parameter reaches (a detach of a buffer,
+  a mask, a cache, a frozen weight's product: nothing to stop there) and counts the others.
 
 Each stop is `SequenceAt(SequenceConstruct(x), 0)`: the same values, but an edge carrying a sequence, which ORT's
 gradient builder never differentiates through (it builds gradients of tensors only), so nothing flows back into `x`
-and nothing is computed for it: eager's gradients exactly. Both are standard ONNX operators ORT runs on every
-build, so the fast and the portable target, and the device export, honour stops alike. The cost is two copies of the
+and nothing is computed for it: eager's gradients exactly. Both are standard ONNX operators ORT runs on every build,
+so the fast and the portable target, and the device export, honour stops alike. The cost is two copies of the
 stopped value per step.
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 import onnx
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ortflow.accel.graph import plan as graph_plan
 
@@ -32,45 +35,21 @@ MARKER = "ortflow::stop_gradient"
 _FLOATS = {"Float", "Double", "Half", "BFloat16"}
 
 
-def _requires_grad(value: torch._C.Value) -> bool | None:
-    """Whether a float tensor value required grad when traced (None: not a float tensor, or not known)."""
-    kind = value.type()
-    if not isinstance(kind, torch._C.TensorType) or kind.scalarType() not in _FLOATS:
-        return None
-    return value.requiresGrad()
-
-
-def _no_gradient_out(node: torch._C.Node) -> bool:
-    """Whether an op gives none of its float outputs a gradient (factories shaped like their input excepted: their
-    export reads only the shape, already a stop in ORT)."""
-    kind = node.kind()
-    if kind == MARKER or kind.endswith("_like") or kind.startswith("aten::new_"):
-        return False
-    flags = [_requires_grad(v) for v in node.outputs() if _is_float(v)]
-    return bool(flags) and all(flag is False for flag in flags)
-
-
-def _is_float(value: torch._C.Value) -> bool:
-    kind = value.type()
-    return isinstance(kind, torch._C.TensorType) and kind.scalarType() in _FLOATS
-
-
 def mark(graph: torch._C.Graph) -> int:
-    """Put a stop (a MARKER node) on every input edge of `graph` (and its blocks) where a value that requires grad
-    enters an op that gives no gradient out. Returns the number of stops."""
-    stops = 0
+    """Make every `aten::detach` of `graph` (and its blocks) a stop (a MARKER node; the rewrite `_resolve` drops those
+    whose input carries no gradient). Returns the number of detaches marked."""
+    marked = 0
     for nodes in [graph.nodes(), *(block.nodes() for block in _blocks(graph))]:
         for node in list(nodes):
-            if not _no_gradient_out(node):
+            if node.kind() not in ("aten::detach", "aten::detach_"):
                 continue
-            for index, value in enumerate(list(node.inputs())):
-                if _requires_grad(value):
-                    stop = graph.create(MARKER, [value], 1)
-                    stop.output().setType(value.type())
-                    stop.insertBefore(node)
-                    node.replaceInput(index, stop.output())
-                    stops += 1
-    return stops
+            stop = graph.create(MARKER, [node.inputsAt(0)], 1)
+            stop.output().setType(node.output().type())
+            stop.insertBefore(node)
+            node.output().replaceAllUsesWith(stop.output())
+            node.destroy()
+            marked += 1
+    return marked
 
 
 def _blocks(graph: torch._C.Graph) -> list[Any]:
@@ -82,6 +61,28 @@ def _blocks(graph: torch._C.Graph) -> list[Any]:
             found.append(block)
             stack.extend(block.nodes())
     return found
+
+
+class _NoGradRegions(TorchFunctionMode):
+    """While a forward is traced: a torch call made with grad disabled (inside `torch.no_grad()` or
+    `torch.inference_mode()`) gets its tensors that require grad detached first, so the trace records the region's
+    entry as the detach eager's autograd implies."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not torch.is_grad_enabled():
+            args, kwargs = _detached((args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value.requires_grad else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
 
 
 def _stop_symbolic(plan: graph_plan.GraphPlan, native: Any) -> Any:
@@ -100,11 +101,16 @@ def traced_with_grad(module: nn.Module) -> Iterator[None]:
     traced value would say it requires no grad and a no_grad region could not be told from the rest)."""
     previous: list[bool] = []
 
+    modes: list[_NoGradRegions] = []
+
     def enable(mod: nn.Module, args: Any) -> None:
         previous.append(torch.is_grad_enabled())
         torch.set_grad_enabled(True)
+        modes.append(_NoGradRegions())
+        modes[-1].__enter__()
 
     def restore(mod: nn.Module, args: Any, output: Any) -> None:
+        modes.pop().__exit__(None, None, None)
         torch.set_grad_enabled(previous.pop())
 
     handles = [module.register_forward_pre_hook(enable), module.register_forward_hook(restore)]
@@ -113,8 +119,8 @@ def traced_with_grad(module: nn.Module) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-        if previous:  # the forward raised: its grad mode was not restored
-            torch.set_grad_enabled(previous[0])
+        while modes:  # the forward raised: its mode was not left (the grad mode, the exporter's no_grad restores)
+            modes.pop().__exit__(None, None, None)
 
 
 def stops(model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -123,7 +129,34 @@ def stops(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in model.graph.node if n.op_type == "SequenceAt" and n.input[0] in made]
 
 
-def _count(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+def _resolve(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
+    """Drop the stops whose input no trainable parameter reaches (a buffer's detach, a mask's, a frozen weight's):
+    nothing to stop there. Count the others."""
+    graph = model.graph
+    reached = set(work.trainable)
+    for node in graph.node:  # the exporter writes nodes in a topological order
+        if any(name in reached for name in node.input):
+            reached.update(node.output)
+    by_output = {n.output[0]: n for n in graph.node if n.output}
+    dropped: dict[str, str] = {}
+    for stop in stops(model):
+        made = by_output[stop.input[0]]
+        if made.input[0] not in reached:
+            dropped[stop.output[0]] = made.input[0]
+    if dropped:
+        gone = {stop.output[0] for stop in stops(model) if stop.output[0] in dropped}
+        keep = [n for n in graph.node if not (n.output and n.output[0] in gone)]
+        sequences = {n.input[0] for n in graph.node if n.output and n.output[0] in gone}
+        keep = [n for n in keep if not (n.output and n.output[0] in sequences)]
+        del graph.node[:]
+        graph.node.extend(keep)
+        for node in graph.node:
+            for i, name in enumerate(node.input):
+                if name in dropped:
+                    node.input[i] = dropped[name]
+        for output in graph.output:
+            if output.name in dropped:  # a graph output that is a stopped value keeps its name: an Identity
+                graph.node.append(onnx.helper.make_node("Identity", [dropped[output.name]], [output.name]))
     work.count(NAME, len(stops(model)))
 
 
@@ -135,6 +168,6 @@ OP = graph_plan.declare(
         paths=(graph_plan.Path.ort,),
         choose=lambda settings, precision, engine: graph_plan.Path.ort,
         symbolics={MARKER: _stop_symbolic},
-        rewrite=_count,
+        rewrite=_resolve,
     )
 )
