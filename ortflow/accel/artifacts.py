@@ -64,9 +64,9 @@ class Settings(GraphSettings):
     )  # ORT's intra-op threads; null = as many as torch uses (one per physical core)
     allow_spinning: bool = True  # ORT's default; everything runs inside ORT here, so nothing competes with it
     # The first-step check (accel/first_step.py): before the first update, the engine's gradients on the first batch
-    # against eager's on the same batch and weights; a difference beyond rounding stops the run. Off by default until
-    # the end-to-end tier has run with it on; true turns it on (run.json's engine.first_step_check records either).
-    verify: bool = False
+    # against eager's on the same batch and weights; a difference beyond rounding stops the run. false: trust the
+    # engine (the run.json record says the check was off).
+    verify: bool = True
 
 
 def problems(cfg: DictConfig) -> list[str]:

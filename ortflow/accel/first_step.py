@@ -1,4 +1,4 @@
-"""The first-step check every ORT-engine run makes before its first update (`accel.verify=true`): the
+"""The first-step check every ORT-engine run makes before its first update (`accel.verify`, on by default): the
 engine's gradients on the first batch against eager PyTorch's on the same batch and the same weights, one eager
 forward and backward.
 

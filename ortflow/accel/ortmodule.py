@@ -72,9 +72,9 @@ class Settings(GraphSettings):
     # ORT's runs on the same cores, and spinning ORT threads slow it down: off measured 15% faster per step.
     allow_spinning: bool = False
     # The first-step check (accel/first_step.py): before the first update, the engine's gradients on the first batch
-    # against eager's on the same batch and weights; a difference beyond rounding stops the run. Off by default until
-    # the end-to-end tier has run with it on; true turns it on (run.json's engine.first_step_check records either).
-    verify: bool = False
+    # against eager's on the same batch and weights; a difference beyond rounding stops the run. false: trust the
+    # engine (the run.json record says the check was off).
+    verify: bool = True
 
 
 def problems(cfg: DictConfig) -> list[str]:

@@ -27,8 +27,6 @@ def _run(tmp_path, model: str, accel: str, *extra: str, steps: int = STEPS):
         "trainer.eval_every=0",
         *extra,
     ]
-    if accel != "none" and not any(o.startswith("accel.verify=") for o in extra):
-        overrides.append("accel.verify=true")
     name = "-".join(o.rsplit("=", 1)[-1].rsplit(".", 1)[-1] for o in (model, accel, *extra))
     return train(overrides, run_dir=tmp_path / name)
 
