@@ -108,3 +108,20 @@ def before_lowering(graph_pass: Callable[[torch._C.Graph], None]) -> Iterator[No
         yield
     finally:
         _PASS.reset(token)
+
+
+@contextlib.contextmanager
+def module_backward_hooks_untraced() -> Iterator[None]:
+    """While inside: modules' backward hooks are not set up around their calls (torch.utils.hooks.BackwardHook), as
+    under torch.no_grad(). A forward traced with grad enabled would wrap them in autograd Functions the tracer cannot
+    record ("Error while setting up backward hooks"); an ORT engine runs no module backward hook anyway (it refuses a
+    model that has one, ortflow/model/hooks.py)."""
+    from torch.utils import hooks
+
+    saved = hooks.BackwardHook.setup_input_hook, hooks.BackwardHook.setup_output_hook
+    hooks.BackwardHook.setup_input_hook = lambda self, args: args  # type: ignore[method-assign]
+    hooks.BackwardHook.setup_output_hook = lambda self, args: args  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        hooks.BackwardHook.setup_input_hook, hooks.BackwardHook.setup_output_hook = saved

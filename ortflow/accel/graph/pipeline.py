@@ -108,6 +108,7 @@ def exporting(plan: GraphPlan, opset: int, module: nn.Module | None = None) -> I
         symbolics.exporting(plan, opset),
         torch_onnx.before_lowering(stop_gradients.mark),
         stop_gradients.traced_with_grad(module) if module is not None else contextlib.nullcontext(),
+        torch_onnx.module_backward_hooks_untraced() if module is not None else contextlib.nullcontext(),
     ):
         yield
 
