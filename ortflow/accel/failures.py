@@ -150,12 +150,11 @@ class GraphWorkError(RuntimeError):
 def written_by_ortflow(err: BaseException, plan: GraphPlan | None) -> str | None:
     """The node or value ortflow's graph work wrote that ORT's or torch's message about `err` names (a node ORT
     built the gradient of one of them, `<node>_Grad/...`, included); None where it names none of them. An op on the
-    documented list of what ORT cannot train (no gradient builder, no CPU kernel) is the model's, wherever it is."""
+    node is judged by where it came from, whatever ORT says of it: one ortflow wrote without a gradient builder or a
+    CPU kernel is ortflow's; the same op exported from the model is the model's."""
     if plan is None or not (plan.written_nodes or plan.written_values):
         return None
     text = _all_text(err)
-    if "gradient builder has not been registered" in text or "Could not find an implementation" in text:
-        return None
     _, node = op_and_node(text)
     named = [node] if node else []
     named += re.findall(r"Name:'([^']+)'|node with name '([^']+)'|in node \(([^)]+)\)|node name: ([^)\s]+)", text)

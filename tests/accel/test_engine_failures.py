@@ -139,6 +139,16 @@ def wrong_shape_into_torch(model: onnx.ModelProto, plan, work) -> None:
     _before(model, conv, [flip])
 
 
+def without_gradient(model: onnx.ModelProto, plan, work) -> None:
+    """A rewrite that writes an op ORT has no gradient builder for (Hardmax) on the trainable path: ORT's message is
+    the one it gives for a model's op it cannot train, but the node is ortflow's."""
+    head = _head_input(model)
+    hardmax = helper.make_node("Hardmax", [head.input[0]], ["planted/hardmax"], name="planted/Hardmax")
+    add = helper.make_node("Add", [head.input[0], "planted/hardmax"], ["planted/sum"], name="planted/Add")
+    head.input[0] = "planted/sum"
+    _before(model, head, [hardmax, add])
+
+
 def _before(model: onnx.ModelProto, node: onnx.NodeProto, added: list[onnx.NodeProto]) -> None:
     nodes = list(model.graph.node)
     at = next(i for i, n in enumerate(nodes) if n is node or n == node)
@@ -146,7 +156,7 @@ def _before(model: onnx.ModelProto, node: onnx.NodeProto, added: list[onnx.NodeP
     model.graph.node.extend([*nodes[:at], *added, *nodes[at:]])
 
 
-@pytest.mark.parametrize("plant", [invalid_reshape, wrong_dtype, wrong_shape_into_torch])
+@pytest.mark.parametrize("plant", [invalid_reshape, wrong_dtype, wrong_shape_into_torch, without_gradient])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_rewrite_that_breaks_the_graph_is_reported_as_possibly_ortflows(kind, plant, tmp_path):
     """Realistic bugs of ortflow's graph work, planted as its last step: ORT's error names a node (or value) ortflow
