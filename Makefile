@@ -26,7 +26,8 @@ RANGE_TESTS ?= tests/accel/compat/test_compat.py tests/accel/test_engines.py tes
 	tests/accel/graph/test_ops_without_gradient.py tests/accel/graph/test_aten_gelu.py tests/accel/graph/test_bf16_weights.py \
 	tests/accel/graph/test_aten_cross_entropy.py tests/accel/test_compile.py tests/accel/graph/test_graph_plan.py \
 	tests/accel/test_hooks.py tests/check/test_parity.py tests/check/test_planted.py \
-	tests/accel/graph/test_decomposition_precision.py tests/accel/graph/test_bf16_edges.py tests/accel/graph/test_aten_relu.py
+	tests/accel/graph/test_decomposition_precision.py tests/accel/graph/test_bf16_edges.py tests/accel/graph/test_aten_relu.py \
+	tests/accel/test_stop_gradients.py
 BIN := $(VENV)/bin
 TRAIN_STAMP := $(VENV)/.ortflow-train
 TEST_STAMP := $(VENV)/.ortflow-test
