@@ -22,6 +22,7 @@ parameters, and in every one), an error in the first update, in a BatchNorm laye
 """
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -340,7 +341,8 @@ def _torch_absent(verdict: Verdict, device: DeviceRun) -> None:
 
 
 def _dropout(verdict: Verdict, device: DeviceRun, dropout_on: DeviceRun | None, dropout_nodes: int) -> None:
-    """With dropout on, the shipped set's first loss differs from the dropout-off one: its Dropout nodes act."""
+    """With dropout on, the shipped set's first loss differs from the dropout-off one (its Dropout nodes act), and
+    every loss it trains to, the eval loss included, is finite."""
     if dropout_on is None:
         return
     first, off = dropout_on.losses[0], device.losses[0]
@@ -354,6 +356,11 @@ def _dropout(verdict: Verdict, device: DeviceRun, dropout_on: DeviceRun | None, 
     )
     if first == off:
         verdict.failures.append("the set's Dropout nodes did not act: its first loss equals the dropout-off one")
+    for step, loss in enumerate([*dropout_on.losses, dropout_on.eval_loss], 1):
+        if not math.isfinite(loss):
+            what = "its eval loss" if step > len(dropout_on.losses) else f"step {step}'s loss"
+            verdict.failures.append(f"the set as shipped (dropout on) trained to a non-finite loss: {what} is {loss}")
+            break
 
 
 def compare(

@@ -163,10 +163,12 @@ def test_the_torch_free_check_fails_on_each_planted_fault():
     envelope = Envelope.measure(reference, [reference])  # no noise: every tolerance at its floor
     clean = {"forbidden_maps": [], "torch_importable": False, "training_package_init_run": False}
 
-    def run(losses=(2.0, 1.5), eval_loss=1.4, w=weights, m=mean, v=var, g=gradients, w1=weights, record=clean):
+    def run(losses=(2.0, 1.5), eval_loss=1.4, w=weights, m=mean, v=var, g=gradients, w1=weights, record=clean, on=None):
         after_first = np.concatenate([w1, mean, var])
         device = DeviceRun(list(losses), eval_loss, np.concatenate([w, m, v]), record, g, after_first)
-        return compare(device, reference, tensors, None, 0, envelope, (before, {"layer.weight": weights})).failures
+        dropout_on = None if on is None else DeviceRun(list(on[0]), on[1], device.parameters, record)
+        replay = (before, {"layer.weight": weights})
+        return compare(device, reference, tensors, dropout_on, 0 if on is None else 2, envelope, replay).failures
 
     assert run() == []
     assert run(losses=(2.0 * (1 + 2 * TOLERANCE), 1.5))  # the step-1 loss at twice the tolerance
@@ -178,3 +180,6 @@ def test_the_torch_free_check_fails_on_each_planted_fault():
     assert run(g=gradients * np.array([1.0, 1.0, 1 + 1e-4]))  # one step-1 gradient
     assert run(w1=weights - 0.1 * 2 * UPDATE_TOLERANCE)  # the first update, off by twice its tolerance
     assert run(record={**clean, "forbidden_maps": ["/site-packages/torch/lib/libtorch_cpu.so"]})
+    assert run(on=((2.1, 1.6), 1.5)) == []  # dropout on: another first loss, every loss finite
+    assert run(on=((2.1, float("nan")), 1.5))  # the shipped set trained to NaN with its dropout on
+    assert run(on=((2.1, 1.6), float("inf")))  # or evaluated to inf
