@@ -137,29 +137,21 @@ def untouched(model: nn.Module) -> Iterator[None]:
         torch.set_rng_state(rng)
 
 
-def _random_forward(with_loss: nn.Module, tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether two training forwards under different seeds give different losses (randomness dropout_off missed)."""
-    losses = []
-    with torch.no_grad():
-        for seed in (0, 1):
-            torch.manual_seed(seed)
-            losses.append(with_loss(*tensors))
-    return not torch.equal(losses[0], losses[1])
-
-
 def eager_gradients(
     model: nn.Module, loss: Any, layout: Any, tensors: tuple[torch.Tensor, ...], precision: str
 ) -> dict[str, np.ndarray] | None:
     """Eager's gradients of every trainable parameter on the flat batch `tensors` (inputs, then targets), dropout
-    off, by torch name (a parameter the backward does not reach: zeros); None where the forward is random anyway.
+    off, by torch name (a parameter the backward does not reach: zeros); None where the forward drew from torch's
+    random generator even so (told by its state, not by a second forward).
     Hooks on the parameters and modules run, as in eager's step."""
     with_loss = WithLoss(model, loss, layout, autocast=precision == BF16).train()
-    if _random_forward(with_loss, tensors):
-        return None
     for p in model.parameters():
         p.grad = None
+    drawn = torch.get_rng_state()
     with torch.enable_grad():
         with_loss(*tensors).backward()
+    if not torch.equal(drawn, torch.get_rng_state()):  # the forward drew random numbers: another draw, other values
+        return None
     return {
         name: (p.grad.detach().float().numpy().copy() if p.grad is not None else np.zeros(p.shape, np.float32))
         for name, p in model.named_parameters()
