@@ -160,6 +160,18 @@ def test_sigterm_to_the_command_checkpoints_every_rank_and_exits_0(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_callback_that_stops_one_rank_stops_every_rank_at_that_step(tmp_path):
+    """A user's callback says stop on rank 1 only: every rank stops after that evaluation (agreed like a SIGTERM), the
+    run ends by the callback with its checkpoint written, where rank 0 alone would have waited in DDP's next
+    all-reduce until torchrun's timeout."""
+    stop = ["+callbacks.stop._target_=tests.helpers.callbacks.StopOnRank", "+callbacks.stop.rank=1"]
+    result = run_cli(*SMALL, *stop, "distributed=ddp", "hydra.run.dir=run", cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, shown(result.stderr)
+    run = record(tmp_path / "run")
+    assert run["ended_by"] == "callback" and run["metrics"]["steps"] == 5, run["metrics"]
+
+
+@pytest.mark.slow
 def test_a_rank_that_dies_ends_the_run_with_an_error_naming_it(tmp_path):
     env = USER_ENV
     model = custom_model("build_dies_on_rank", rank=1, step=3)

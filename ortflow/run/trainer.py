@@ -333,6 +333,9 @@ class Loop:
         self.logger.scalars(step, evaluated)
         stop = _early_stop(state, step, evaluated, trainer)
         said = any([bool(c.on_evaluation(self, step, evaluated)) for c in self._having("on_evaluation")])
+        # Every rank stops at the same step or none does: a rank whose callback stopped alone would leave the others
+        # waiting in DDP's next all-reduce (a SIGTERM is agreed the same way, at the checkpoint).
+        said = self.ranks.any_rank(said)
         if said and not stop and state.pruned_at != step:
             state.stopped_by_callback_at = step
         return stop or said

@@ -30,6 +30,16 @@ class StopAt(Callback):
         StopAt.seen.append(("end", metrics["steps"]))
 
 
+class StopOnRank(Callback):
+    """Stops the run at its first evaluation, on one rank only (a metric, a file or a clock only that rank sees)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_evaluation(self, loop, step, evaluated):
+        return loop.ranks.rank == self.rank
+
+
 class NotACallback:
     def __init__(self) -> None:
         pass
