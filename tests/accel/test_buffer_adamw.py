@@ -5,6 +5,9 @@ import torch
 from omegaconf import OmegaConf
 
 from ortflow import accel
+from ortflow.accel import buffer_adamw
+from ortflow.accel.compat import ort
+from ortflow.accel.compat.ort import buffer_view
 from ortflow.accel.engine import EngineContext
 from ortflow.config import DebugConfig, OptimConfig
 from ortflow.model.mlp import build_mlp
@@ -45,3 +48,37 @@ def test_torchs_fused_adamw_on_ort_buffers_steps_as_orts_optimizer_graph(grad_cl
         moved = (want[name] - start[name]).abs().max()
         assert moved > 1e-3, name  # every weight trained
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _aliased(engine) -> bool:
+    """Whether the fused AdamW's parameters are still views of ORT's own weight buffers (a reallocation by ORT would
+    leave torch stepping copies ORT never reads again: training stopped without a word)."""
+    adamw = engine.optimizer
+    names = engine.trainable
+    return len(adamw._params) == len(names) and all(
+        p.data_ptr() == buffer_view(engine.state._state.get_parameter(n).data).data_ptr()
+        for p, n in zip(adamw._params, names, strict=True)
+    )
+
+
+def test_the_fused_adamws_views_still_alias_orts_buffers_after_evaluation_and_batchnorm_updates(tmp_path, monkeypatch):
+    """After training steps, evaluations in between and BatchNorm's running statistics written into ORT's state each
+    step, the optimizer still steps ORT's own buffers; views planted as copies are told apart."""
+    from tests.accel.test_vision_engines import conv_bn, images
+
+    data = images(3)
+    torch.manual_seed(0)
+    optim = OmegaConf.structured(OptimConfig(fused=True))
+    ctx = EngineContext(conv_bn(), data[0], optim, debug=OmegaConf.structured(DebugConfig), onnx_dir=tmp_path / "bn")
+    engine = accel.build(make_cfg("accel=artifacts").accel, ctx)
+    assert engine.norms is not None and _aliased(engine)
+    before = {k: v.clone() for k, v in engine.model_state_dict().items()}
+    for x, y in data:
+        engine.train_step(x, y)
+        engine.eval_step(x, y)
+        assert _aliased(engine)
+    after = engine.model_state_dict()
+    assert not torch.equal(after["0.weight"], before["0.weight"])  # ORT read the weights torch stepped
+    monkeypatch.setattr(buffer_adamw, "buffer_view", lambda value: ort.buffer_view(value).clone())
+    copied = accel.build(make_cfg("accel=artifacts").accel, ctx)
+    assert not _aliased(copied)
