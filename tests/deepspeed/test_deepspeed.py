@@ -170,6 +170,18 @@ def test_non_finite_gradients_under_zero2_are_skipped_then_stop_the_run_as_under
     assert said["zero2"] == said["ddp"]
 
 
+def test_skipped_non_finite_steps_leave_zero2s_weights_where_ddp_leaves_them(tmp_path):
+    """Skipped is not applied: every step's gradient is infinite and skipped (the run let go on), and ZeRO-2's final
+    weights are DDP's, finite: an applied infinite gradient would have made them NaN, which a count of skipped steps
+    alone cannot tell."""
+    skip = ["trainer.on_nonfinite=skip", "trainer.max_skipped_steps=100", "trainer.max_steps=4", "trainer.eval_every=0"]
+    ddp = weights(train(tmp_path, "ddp", *INF_GRAD, *skip, "distributed=ddp"))
+    zero2 = weights(train(tmp_path, "zero2", *INF_GRAD, *skip, "distributed=deepspeed"))
+    assert ddp.keys() == zero2.keys()
+    for name in ddp:
+        assert torch.isfinite(zero2[name]).all() and torch.equal(zero2[name], ddp[name]), name
+
+
 def test_a_model_deepspeed_cannot_broadcast_is_refused_naming_its_parameter(tmp_path):
     scalar_gate = [a for a in INF_GRAD if not a.startswith("+model.gate_shape")]
     result = run_cli(*scalar_gate, "distributed=deepspeed", "hydra.run.dir=run", cwd=tmp_path)
