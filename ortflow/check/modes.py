@@ -24,7 +24,7 @@ from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
 from ortflow.errors import ConfigError, OrtflowError, root_reason
 from ortflow.model import one_ulp
-from ortflow.model.probe import training_forward_probe
+from ortflow.model.probe import dropout_probabilities, training_forward_probe
 from ortflow.paths import compose_config, search_dirs
 from ortflow.run.runner import build_data, build_model, engine_context
 from ortflow.run.seeding import seed_everything, seed_step
@@ -46,16 +46,10 @@ def _compose(overrides: list[str], mode: str) -> DictConfig:
     return copy.deepcopy(_COMPOSED[key])
 
 
-DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-
-
 def without_dropout(model: nn.Module) -> nn.Module:
     """The same model with every dropout probability at 0: the runtimes would otherwise draw different masks."""
-    for module in model.modules():
-        if isinstance(module, DROPOUTS) or type(module).__name__ == "StochasticDepth":  # torchvision.ops's too
-            module.p = 0.0
-        if isinstance(module, nn.MultiheadAttention):
-            module.dropout = 0.0
+    for module, name in dropout_probabilities(model):
+        setattr(module, name, 0.0)
     return model
 
 

@@ -75,10 +75,9 @@ def default_symbolic(name: str, opset: int):
 
 
 # ----------------------------------------------------------------------------------------------- graph passes
-# A pass of ortflow's own run on torch's traced graph right before the exporter lowers it to ONNX (where every
-# value still carries what autograd knew of it when it was traced: requires_grad), while `before_lowering` is in
-# force. The exporter calls torch._C._jit_pass_onnx through the module each time, so one wrapper set once serves
-# every torch of the range.
+# A pass of ortflow's own run on torch's traced graph right before the exporter lowers it to ONNX (where the nodes
+# it drops, `aten::detach`, are still there), while `before_lowering` is in force. The exporter calls
+# torch._C._jit_pass_onnx through the module each time, so one wrapper set once serves every torch of the range.
 _PASS: contextvars.ContextVar[Callable[[torch._C.Graph], None] | None] = contextvars.ContextVar(
     "ortflow_pass_before_onnx", default=None
 )
