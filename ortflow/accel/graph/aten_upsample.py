@@ -99,13 +99,10 @@ def _upsample(name: str) -> graph_plan.SymbolicFactory:
 
 
 NAME = "upsample"
-OP = graph_plan.declare(
-    graph_plan.GraphOp(
-        NAME,
-        replaces="Resize (aten::upsample_*: nn.Upsample, F.interpolate), which ORT's CPU build cannot differentiate",
-        module=__name__,
-        paths=(graph_plan.Path.torch,),
-        choose=lambda settings, precision, engine: graph_plan.Path.torch,
-        symbolics={f"::{name}": _upsample(name) for name in DIMS},
-    )
+OP = graph_plan.one_path(
+    NAME,
+    graph_plan.Path.torch,
+    replaces="Resize (aten::upsample_*: nn.Upsample, F.interpolate), which ORT's CPU build cannot differentiate",
+    module=__name__,
+    symbolics={f"::{name}": _upsample(name) for name in DIMS},
 )

@@ -181,14 +181,11 @@ def _softplus(plan: graph_plan.GraphPlan, native: Any) -> Any:
     return symbolic
 
 
-graph_plan.declare(
-    graph_plan.GraphOp(
-        "decompositions",
-        "ops ORT cannot differentiate (HardSwish, Elu, Softplus, PRelu, DepthToSpace, Einsum, ...), written out",
-        __name__,
-        (graph_plan.Path.ort,),
-        lambda settings, precision, engine: graph_plan.Path.ort,
-        symbolics={"::softplus": _softplus},  # with the module's beta and threshold, which ONNX's Softplus lacks
-        rewrite=_rewrite,
-    )
+graph_plan.one_path(
+    "decompositions",
+    graph_plan.Path.ort,
+    replaces="ops ORT cannot differentiate (HardSwish, Elu, Softplus, PRelu, DepthToSpace, Einsum, ...), written out",
+    module=__name__,
+    symbolics={"::softplus": _softplus},  # with the module's beta and threshold, which ONNX's Softplus lacks
+    rewrite=_rewrite,
 )

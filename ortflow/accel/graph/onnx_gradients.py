@@ -277,13 +277,10 @@ def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_pla
     work.count("ops_given_ort_gradients", prepare(model))
 
 
-graph_plan.declare(
-    graph_plan.GraphOp(
-        "onnx_gradients",
-        "ONNX ops ORT has no gradient builder for (Atan, CumSum, ReduceMax, ...): given gradients in ONNX ops",
-        __name__,
-        (graph_plan.Path.ort,),
-        lambda settings, precision, engine: graph_plan.Path.ort,
-        rewrite=_rewrite,
-    )
+graph_plan.one_path(
+    "onnx_gradients",
+    graph_plan.Path.ort,
+    replaces="ONNX ops ORT has no gradient builder for (Atan, CumSum, ReduceMax, ...): given gradients in ONNX ops",
+    module=__name__,
+    rewrite=_rewrite,
 )

@@ -199,6 +199,26 @@ def declare(op: GraphOp) -> GraphOp:
     return op
 
 
+def one_path(
+    name: str,
+    path: Path,
+    *,
+    replaces: str,
+    module: str,
+    setting: str | None = None,
+    symbolics: Mapping[str, SymbolicFactory] | None = None,
+    rewrite: Callable[[Any, "GraphPlan", "GraphWork"], None] | None = None,
+) -> GraphOp:
+    """Declare an op with a single path, whatever the settings and the precision (a graph fix ORT needs, a rewrite
+    a boolean `setting` turns off inside its own code, an op only torch's kernels run)."""
+
+    def choose(settings: Any, precision: str, engine: str) -> Path:
+        return path
+
+    named = MappingProxyType({}) if symbolics is None else symbolics
+    return declare(GraphOp(name, replaces, module, (path,), choose, setting, named, rewrite))
+
+
 def torch_or_ort(
     name: str,
     *,

@@ -447,30 +447,20 @@ def _embeddings(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_
         work.count("embedding_to_onehot_matmul", small_embeddings_to_onehot_matmul(model, vocab))
 
 
-def _ort(*_: object) -> graph_plan.Path:
-    return graph_plan.Path.ort
-
-
-_ORT = (graph_plan.Path.ort,)
-graph_plan.declare(
-    graph_plan.GraphOp(
-        "attention_dropout_mode",
-        "scaled_dot_product_attention's Dropout exported without training_mode (run as the identity): made to train",
-        __name__,
-        _ORT,
-        _ort,
-        rewrite=_attention_dropout,
-    )
+graph_plan.one_path(
+    "attention_dropout_mode",
+    graph_plan.Path.ort,
+    replaces="scaled_dot_product_attention's Dropout exported without training_mode (run as the identity): made to "
+    "train",
+    module=__name__,
+    rewrite=_attention_dropout,
 )
-graph_plan.declare(
-    graph_plan.GraphOp(
-        "instance_norm",
-        "InstanceNormalization (nn.InstanceNorm*d, nn.GroupNorm), which ORT cannot differentiate: written out",
-        __name__,
-        _ORT,
-        _ort,
-        rewrite=_instance_norms,
-    )
+graph_plan.one_path(
+    "instance_norm",
+    graph_plan.Path.ort,
+    replaces="InstanceNormalization (nn.InstanceNorm*d, nn.GroupNorm), which ORT cannot differentiate: written out",
+    module=__name__,
+    rewrite=_instance_norms,
 )
 graph_plan.declare(
     graph_plan.GraphOp(
@@ -483,37 +473,29 @@ graph_plan.declare(
         rewrite=_dropout,
     )
 )
-graph_plan.declare(
-    graph_plan.GraphOp(
-        "gathers",
-        "MultiheadAttention's q/k/v split as one Split (its gradient one Concat); other constant-index Gathers as "
-        "Slices: no GatherGrad",
-        __name__,
-        _ORT,
-        _ort,
-        setting="rewrite_gathers",
-        rewrite=_gathers,
-    )
+graph_plan.one_path(
+    "gathers",
+    graph_plan.Path.ort,
+    replaces="MultiheadAttention's q/k/v split as one Split (its gradient one Concat); other constant-index Gathers as "
+    "Slices: no GatherGrad",
+    module=__name__,
+    setting="rewrite_gathers",
+    rewrite=_gathers,
 )
-graph_plan.declare(
-    graph_plan.GraphOp(
-        "relu_mask",
-        "a Relu ORT runs (accel/graph/aten_relu.py) as x * (x > 0): a parallel Mul, not its single-threaded ReluGrad",
-        __name__,
-        _ORT,
-        _ort,
-        setting="rewrite_relu",
-        rewrite=_relu,
-    )
+graph_plan.one_path(
+    "relu_mask",
+    graph_plan.Path.ort,
+    replaces="a Relu ORT runs (accel/graph/aten_relu.py) as x * (x > 0): a parallel Mul, not its single-threaded "
+    "ReluGrad",
+    module=__name__,
+    setting="rewrite_relu",
+    rewrite=_relu,
 )
-graph_plan.declare(
-    graph_plan.GraphOp(
-        "embedding",
-        "a small embedding's Gather as OneHot @ W: a Gemm instead of ORT's contending GatherGrad",
-        __name__,
-        _ORT,
-        _ort,
-        setting="rewrite_embedding_max_vocab",
-        rewrite=_embeddings,
-    )
+graph_plan.one_path(
+    "embedding",
+    graph_plan.Path.ort,
+    replaces="a small embedding's Gather as OneHot @ W: a Gemm instead of ORT's contending GatherGrad",
+    module=__name__,
+    setting="rewrite_embedding_max_vocab",
+    rewrite=_embeddings,
 )

@@ -32,7 +32,6 @@ from ortflow.accel.graph import plan as graph_plan
 
 NAME = "stop_gradients"
 MARKER = "ortflow::stop_gradient"
-_FLOATS = {"Float", "Double", "Half", "BFloat16"}
 
 
 def mark(graph: torch._C.Graph) -> int:
@@ -123,10 +122,14 @@ def traced_with_grad(module: nn.Module) -> Iterator[None]:
             modes.pop().__exit__(None, None, None)
 
 
-def stops(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """The stops of an exported graph: SequenceAt nodes reading a one-tensor SequenceConstruct."""
-    made = {n.output[0] for n in model.graph.node if n.op_type == "SequenceConstruct" and len(n.input) == 1}
-    return [n for n in model.graph.node if n.op_type == "SequenceAt" and n.input[0] in made]
+def _stops(model: onnx.ModelProto) -> dict[str, tuple[str, str]]:
+    """The stops of an exported graph, by the value each gives: (the sequence it reads, the value stopped)."""
+    made = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "SequenceConstruct" and len(n.input) == 1}
+    return {
+        n.output[0]: (n.input[0], made[n.input[0]])
+        for n in model.graph.node
+        if n.op_type == "SequenceAt" and n.input[0] in made
+    }
 
 
 def _resolve(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_plan.GraphWork) -> None:
@@ -137,19 +140,13 @@ def _resolve(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_pla
     for node in graph.node:  # the exporter writes nodes in a topological order
         if any(name in reached for name in node.input):
             reached.update(node.output)
-    by_output = {n.output[0]: n for n in graph.node if n.output}
-    dropped: dict[str, str] = {}
-    for stop in stops(model):
-        made = by_output[stop.input[0]]
-        if made.input[0] not in reached:
-            dropped[stop.output[0]] = made.input[0]
+    found = _stops(model)
+    dropped = {value: stopped for value, (_, stopped) in found.items() if stopped not in reached}
     if dropped:
-        gone = {stop.output[0] for stop in stops(model) if stop.output[0] in dropped}
-        keep = [n for n in graph.node if not (n.output and n.output[0] in gone)]
-        sequences = {n.input[0] for n in graph.node if n.output and n.output[0] in gone}
-        keep = [n for n in keep if not (n.output and n.output[0] in sequences)]
+        written = set(dropped) | {found[value][0] for value in dropped}  # each stop's SequenceAt and SequenceConstruct
+        kept = [n for n in graph.node if not (n.output and n.output[0] in written)]
         del graph.node[:]
-        graph.node.extend(keep)
+        graph.node.extend(kept)
         for node in graph.node:
             for i, name in enumerate(node.input):
                 if name in dropped:
@@ -157,17 +154,14 @@ def _resolve(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_pla
         for output in graph.output:
             if output.name in dropped:  # a graph output that is a stopped value keeps its name: an Identity
                 graph.node.append(onnx.helper.make_node("Identity", [dropped[output.name]], [output.name]))
-    work.count(NAME, len(stops(model)))
+    work.count(NAME, len(found) - len(dropped))
 
 
-OP = graph_plan.declare(
-    graph_plan.GraphOp(
-        NAME,
-        replaces="detach(), no_grad regions and other stop-gradients, which torch's export drops",
-        module=__name__,
-        paths=(graph_plan.Path.ort,),
-        choose=lambda settings, precision, engine: graph_plan.Path.ort,
-        symbolics={MARKER: _stop_symbolic},
-        rewrite=_resolve,
-    )
+OP = graph_plan.one_path(
+    NAME,
+    graph_plan.Path.ort,
+    replaces="detach(), no_grad regions and other stop-gradients, which torch's export drops",
+    module=__name__,
+    symbolics={MARKER: _stop_symbolic},
+    rewrite=_resolve,
 )
