@@ -242,7 +242,7 @@ class ArtifactsEngine:
         self.loss_block = self.loss.ort_block() if self.accumulate == 1 and not by_torch else None
         forward, work = self._export(ctx, settings.opset, example_inputs)
         self.graph_fixes, self.masks = work.fixes, work.masks
-        self.check = first_step.Pending(settings.verify, any(n.op_type == "Dropout" for n in forward.graph.node))
+        self.check = first_step.Pending(settings.verify, first_step.ort_dropout(forward))
         self.aten_nodes = work.torch_nodes  # torch's kernels inside ORT (accel/graph/aten_nodes.py)
         if self.aten_nodes:
             ort.load_aten_executor()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 from torch import nn
 
@@ -74,6 +75,11 @@ class Verdict:
                 seconds=round(self.seconds, 4),
             )
         return found
+
+
+def ort_dropout(graph: onnx.ModelProto) -> bool:
+    """Whether an engine's graph draws dropout masks itself (ORT's Dropout nodes; ortflow's fed masks are inputs)."""
+    return any(n.op_type == "Dropout" for n in graph.graph.node)
 
 
 class Pending:

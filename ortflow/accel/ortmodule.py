@@ -181,7 +181,6 @@ class ORTModuleEngine:
         # Not beside DeepSpeed's engine (it owns the backward and the gradients' partitions), nor where PyTorch may run
         # the step (accel.fallback=warn)
         self.check = first_step.Pending(settings.verify and ctx.steps is TorchSteps and self.fallback == Fallback.fail)
-        self.precision = ctx.precision
         self.ort_evals = 0
         self.torch_evals = 0
 
@@ -276,11 +275,11 @@ class ORTModuleEngine:
                 return "ORTModule ran the check's step in PyTorch (a fallback: the training step says so)"
             grads = {n: p.grad.detach().float().numpy().copy() for n, p in trainable if p.grad is not None}
             graph = ortmodule_patches.training_graph(self.module)
-            ort_dropout = graph is not None and any(n.op_type == "Dropout" for n in graph.graph.node)
-            return first_step.ORT_DROPOUT if ort_dropout else grads
+            return first_step.ORT_DROPOUT if graph is not None and first_step.ort_dropout(graph) else grads
 
         flat = (*tensors, targets)
-        return first_step.verify(NAME, self.user_model, self.loss, self.layout, flat, self.precision, engine_gradients)
+        precision = self.plan.precision
+        return first_step.verify(NAME, self.user_model, self.loss, self.layout, flat, precision, engine_gradients)
 
     @torch.no_grad()
     def _eval(self, tensors: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
