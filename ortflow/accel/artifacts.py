@@ -437,11 +437,17 @@ class ArtifactsEngine:
         if len(micro) != self.accumulate:
             raise ValueError(f"this engine was built for {self.accumulate} micro-batches a step, got {len(micro)}")
         self.module.train()
-        self.check.before_first_update(lambda: self._verify(*micro[0]))
+        # the check on the step itself where its gradients are the batch's own (no masks drawn, one micro-batch)
+        in_step = self.check.due and len(micro) == 1 and not self.masks
+        if not in_step:
+            self.check.before_first_update(lambda: self._verify(*micro[0]))
         losses = []
         for inputs, targets in micro:
             self.batch_statistics.check_training_batch(targets.size(0), self.batch_size, NAME)
             tensors, padded = pad_batch(self.layout.flatten(inputs), targets, self.batch_size, self.loss)
+            if in_step:
+                eager_loss = first_step.eager_module(self.model, self.loss, self.layout, self.plan.precision)
+                eager = first_step.eager_side(self.model, eager_loss, (*tensors, padded))
             feeds = self._feeds(tensors, padded, train=True)
             with (
                 torch.profiler.record_function("ortflow::ort_training_graph"),
@@ -454,6 +460,8 @@ class ArtifactsEngine:
         mean = sum(losses) / len(losses)
         self.last_grad_norm = None
         if math.isfinite(mean):
+            if in_step:
+                self.check.before_first_update(lambda: first_step.judge(NAME, self.plan.precision, eager, self._grads))
             self.last_grad_norm = self._grad_norm()
             if math.isfinite(self.last_grad_norm):
                 if self.fused_adamw:
@@ -491,13 +499,18 @@ class ArtifactsEngine:
             if self.norms is not None:
                 self.norms.updates = updates  # describe()'s count is the training steps'
                 self._write_running_statistics()
-            views = zip(self.trainable, ort.gradient_views(self.state, self.trainable), strict=True)
-            found = {n.removeprefix(_PREFIX): g.float().numpy() * self.accumulate for n, g in views}
+            found = {name: g * self.accumulate for name, g in self._grads().items()}
             self.module.lazy_reset_grad()
             return found
 
         flat = (*tensors, padded)
-        return first_step.verify(NAME, self.model, self.loss, self.layout, flat, self.plan.precision, engine_gradients)
+        eager_loss = first_step.eager_module(self.model, self.loss, self.layout, self.plan.precision)
+        return first_step.verify(NAME, self.model, eager_loss, flat, self.plan.precision, engine_gradients)
+
+    def _grads(self) -> dict[str, np.ndarray]:
+        """The gradient buffers as the last backward left them, by torch name (views, read before the reset)."""
+        views = zip(self.trainable, ort.gradient_views(self.state, self.trainable), strict=True)
+        return {n.removeprefix(_PREFIX): g.float().numpy() for n, g in views}
 
     def _grad_norm(self) -> float:
         """The global gradient norm before clipping, computed as eager computes it (torch's norms in float32,

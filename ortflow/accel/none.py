@@ -93,6 +93,9 @@ class EagerEngine:
         self.layout = layout
         self.reduce_loss = reduce_loss
         self.last_grad_norm: float | None = None  # the global gradient norm of the last step, before clipping
+        # Called once, after the next step's backward and before its update (ORTModule's first-step check reads the
+        # step's gradients there); a step that stops at a non-finite loss leaves it set.
+        self.before_update: Callable[[], None] | None = None
 
     @property
     def optimizer(self) -> Any:
@@ -122,6 +125,9 @@ class EagerEngine:
                 self.last_grad_norm = None
                 return value  # no update: the weights stay the last good ones
             self.steps.backward(loss, len(micro))
+        if self.before_update is not None:  # once: a wrapping engine's look at the step's gradients
+            look, self.before_update = self.before_update, None
+            look()
         self.last_grad_norm = self.steps.step()
         return sum(losses) / len(losses)
 

@@ -149,12 +149,14 @@ class ORTModuleEngine:
             self.norms = batchnorm.BatchNorms.find(ctx.model, lambda: with_loss(*example), NAME)
             self.batch_statistics = batchnorm.BatchStatistics.of(ctx.model)
             self.masks: list[DropoutMask] = []
+            self.fp32_attention = False
             if self.plan.path("dropout") is graph_plan.Path.fed:
                 # keep flags where the bf16 edges fuse a linear -> ReLU -> dropout -> linear chain
                 keep_flags = self.plan.by_torch(bf16_edges.NAME)
                 # attention in fp32 where autocast computes it so (fed_dropout.attention_with_functional_dropout)
                 fp32_attention = self.plan.by_torch(aten_gemm.NAME)
                 with_loss, self.masks = fed_dropout.wrap(with_loss, example, keep_flags, fp32_attention)
+                self.fp32_attention = fp32_attention
             self.module = ORTModule(with_loss, debug_options(ctx.debug, ctx.onnx_dir))
         if self.masks:
             self.graph_fixes["dropout_to_mask_inputs"] = len(self.masks)
@@ -181,6 +183,7 @@ class ORTModuleEngine:
         # Not beside DeepSpeed's engine (it owns the backward and the gradients' partitions), nor where PyTorch may run
         # the step (accel.fallback=warn)
         self.check = first_step.Pending(settings.verify and ctx.steps is TorchSteps and self.fallback == Fallback.fail)
+        self.alone = ctx.reduce_loss is None  # one process: the first step's gradients are this batch's own
         self.ort_evals = 0
         self.torch_evals = 0
 
@@ -238,12 +241,19 @@ class ORTModuleEngine:
         for _, targets in micro:
             self.batch_statistics.check_training_batch(targets.size(0), self.batch_size, NAME)
         padded = [pad_batch(self.layout.flatten(x), y, self.batch_size, self.loss) for x, y in micro]
-        self.check.before_first_update(lambda: self._verify(*padded[0]))
+        in_step = self.check.due and len(micro) == 1 and self.alone
+        if not in_step:
+            self.check.before_first_update(lambda: self._verify(*padded[0]))
         if self.masks:  # each micro-batch its own masks (the sampler's buffers serve one at a time)
             draws = [self.sampler.draw()] if len(micro) == 1 else [draw_masks(self.masks) for _ in micro]
             padded = [((*x, *map(torch.from_numpy, d)), y) for (x, y), d in zip(padded, draws, strict=True)]
+        if in_step:
+            self._check_in_step(*padded[0])
         before = self.runs.snapshot()
-        loss = self._run(lambda _x, _y: self.inner.train_micro(padded), None, None, "train")
+        try:
+            loss = self._run(lambda _x, _y: self.inner.train_micro(padded), None, None, "train")
+        finally:
+            self.inner.before_update = None  # a step stopped before its update: the next one is checked instead
         if not math.isfinite(loss):
             return loss  # forward only (no backward ran); the loop decides whether to stop or skip
         after = self.runs.snapshot()
@@ -254,6 +264,27 @@ class ORTModuleEngine:
             self.torch_steps += 1
             self._not_in_ort("training step (forward and backward)")
         return loss
+
+    def _check_in_step(self, tensors: tuple[torch.Tensor, ...], targets: torch.Tensor) -> None:
+        """The first-step check on the first step itself: eager's gradients now, from this engine's own module run
+        eagerly on the step's inputs and dropout masks (fed_dropout.WithLossAndMasks: the masks applied where ORT
+        applies them), and the step's gradients after its backward, before its update."""
+        eager_loss = first_step.eager_module(self.user_model, self.loss, self.layout, self.plan.precision)
+        reference = eager_loss
+        if self.masks:
+            reference = fed_dropout.WithLossAndMasks(eager_loss, self.masks, self.fp32_attention)
+        eager = first_step.eager_side(self.user_model, reference, (*tensors, targets), dropout_kept=bool(self.masks))
+
+        def step_gradients() -> dict[str, np.ndarray] | str:
+            graph = ortmodule_patches.training_graph(self.module)
+            if graph is not None and first_step.ort_dropout(graph):
+                return first_step.ORT_DROPOUT
+            trained = self.user_model.named_parameters()
+            return {n: p.grad.detach().float().numpy() for n, p in trained if p.requires_grad and p.grad is not None}
+
+        self.inner.before_update = lambda: self.check.before_first_update(
+            lambda: first_step.judge(NAME, self.plan.precision, eager, step_gradients)
+        )
 
     def _verify(self, tensors: tuple[torch.Tensor, ...], targets: torch.Tensor) -> first_step.Verdict:
         """The first-step check (accel/first_step.py): one forward and backward of ORTModule's training graph with
@@ -279,7 +310,8 @@ class ORTModuleEngine:
 
         flat = (*tensors, targets)
         precision = self.plan.precision
-        return first_step.verify(NAME, self.user_model, self.loss, self.layout, flat, precision, engine_gradients)
+        eager_loss = first_step.eager_module(self.user_model, self.loss, self.layout, precision)
+        return first_step.verify(NAME, self.user_model, eager_loss, flat, precision, engine_gradients)
 
     @torch.no_grad()
     def _eval(self, tensors: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ EngineContext; the run dir (checkpoints, run.json, resume) belongs to one RunDir
 
 import dataclasses
 import logging
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -379,9 +380,17 @@ def _train(
     results: dict[str, Any] = {"data": data.info, "parameters": ParameterCount.of(model).as_dict()}
     train_loader, val_loader = short.wrap(data.train, data.val)
     batches = ResumableBatches(train_loader)
+    built: list[float] = []
+
+    def build(m: nn.Module) -> Engine:
+        start = time.perf_counter()
+        engine = build_engine(cfg, m, data, run.path, world, run.resumed_choice())
+        built.append(time.perf_counter() - start)
+        return engine
+
     engine, state = run.start(
         model,
-        lambda m: build_engine(cfg, m, data, run.path, world, run.resumed_choice()),
+        build,
         batches,
         cfg.trainer.max_steps,
         {"fingerprint": data.fingerprint, "tokenizer": data.tokenizer},
@@ -407,6 +416,8 @@ def _train(
         results["ended_by"] = metrics.pop("ended_by")
         results["data"] = {**data.info, "short_batches": short.record()}
         results["engine"] = _execution(engine, world, logger, cfg.trainer.max_steps)
+        if built:  # its export, artifacts and sessions where it makes them before the first step (accel=artifacts)
+            metrics["perf/build_s"] = built[-1]
         logger.hparams(
             hparams_from(overrides, cfg, engine.name), {k: v for k, v in metrics.items() if isinstance(v, float)}
         )

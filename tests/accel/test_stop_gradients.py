@@ -9,6 +9,7 @@ from ortflow.accel import artifacts, first_step
 from ortflow.accel.graph import pipeline, stop_gradients
 from ortflow.api import train
 from ortflow.model import hooks
+from tests.conftest import TINY_TRANSFORMER
 from tests.helpers import plants
 
 ENGINES = ["ortmodule", "artifacts"]
@@ -111,3 +112,28 @@ def test_the_first_step_check_catches_a_gradient_hook_an_engine_would_not_run(mo
     monkeypatch.setattr(artifacts, "RUNS_IN_STEP", artifacts.RUNS_IN_STEP | {hooks.Kind.parameter_hook})
     with pytest.raises(first_step.FirstStepDiffers, match=r"'0\.weight' "):
         _run(tmp_path, "tests.helpers.zoo.gradient_masked", "artifacts", steps=2)
+
+
+@pytest.mark.parametrize(
+    ("engine", "extra", "side"),
+    [
+        ("ortmodule", (), first_step.FIRST_STEP),  # its fed dropout masks applied by its own module run eagerly
+        ("artifacts", (), first_step.OWN_PASS),  # its masks belong to its graph: a pass of its own, masks all ones
+        ("ortmodule", ("trainer.accumulate_grad_batches=2",), first_step.OWN_PASS),
+    ],
+)
+def test_the_check_takes_the_engines_gradients_from_its_first_step_where_it_can(engine, extra, side, tmp_path):
+    """The transformer recipe (dropout modules): where the engine's first step has the batch's own gradients (one
+    process, one micro-batch, masks eager can apply), the check reads them there, between the backward and the
+    update; elsewhere the engine runs a pass of its own. A correct engine passes either way; a gradient planted 10%
+    off is caught either way, before any checkpoint."""
+    overrides = ["+recipe=transformer", *TINY_TRANSFORMER, f"accel={engine}", "trainer.max_steps=2", *extra]
+    result = train(overrides, run_dir=tmp_path / "clean")
+    record = _engine(result)["first_step_check"]
+    assert record["status"] == "passed" and record["engine_side"] == side, record
+    assert _engine(result)["graph_fixes"]["dropout_to_mask_inputs"] >= 1
+    planted = pipeline.planted(plants.scale_gradient("fc.weight", 1.1, engine))
+    off = pytest.raises(first_step.FirstStepDiffers, match=r"'fc\.weight' (9|10|11)\.\d% off")
+    with plants.declared(), planted, off:
+        train(overrides, run_dir=tmp_path / "planted")
+    assert not list((tmp_path / "planted").rglob("*.pt")), "a checkpoint was written"

@@ -158,7 +158,7 @@ class WithLossAndMasks(WithLoss):
     """WithLoss whose forward takes the dropout masks after the flat inputs and before the targets."""
 
     def __init__(self, inner: WithLoss, masks: list[DropoutMask], fp32_attention: bool = False) -> None:
-        super().__init__(inner.model, inner.loss, inner.layout)
+        super().__init__(inner.model, inner.loss, inner.layout, inner.autocast)
         self.masks = masks
         self.fp32_attention = fp32_attention  # attention_with_functional_dropout's fp32_products
 
