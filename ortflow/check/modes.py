@@ -184,7 +184,11 @@ def reference(settings: list[str], steps: int) -> tuple[dict[str, Any], parity.E
     if not eager["trains"]:
         return eager, None
     precision = str(_compose(settings, "none").trainer.precision)
-    return eager, parity.Envelope.measure(eager, _noise_runs(settings, steps, precision), precision)
+    fp32 = None
+    if precision == BF16:  # bf16 rows are held to eager fp32's step-1 gradients (parity.Envelope.measure)
+        exact = try_mode("none", settings_in(settings, FP32), 1, fresh_model)
+        fp32 = exact["step_one"].gradients if exact["trains"] else None
+    return eager, parity.Envelope.measure(eager, _noise_runs(settings, steps, precision), precision, fp32)
 
 
 def judged(mode: str, settings: list[str], steps: int, envelope: parity.Envelope | None) -> dict[str, Any]:

@@ -58,7 +58,8 @@ def envelope_text(report: dict[str, Any]) -> str:
         band = " ".join(f"{b:.0e}" for b in envelope["loss_band"])
         lines.append(
             f"{precision}: eager's own noise, {envelope['seeds']} runs from one-ulp weights: loss band by step {band}; "
-            f"a row passes within {envelope['loss_margin']:g}x it (at least {envelope['floors']['loss']:.0e}), its "
+            f"a row passes within {parity.LOSS_SAMPLING:g}x to {envelope['loss_margin']:g}x it as its own step 1 "
+            f"earns (at least {envelope['floors']['loss']:.0e}), its "
             f"step-1 gradients and buffers within {envelope['margin']:g}x their own spread (at least "
             f"{envelope['floors']['gradient']:.0e}). " + detectable_text(envelope["detectable"])
         )

@@ -160,3 +160,45 @@ def test_a_bug_planted_in_the_compiled_engine_is_caught_in_its_row(monkeypatch):
     monkeypatch.setattr(compiled.CompiledEngine, "__init__", planted)
     with pytest.raises(parity.ParityFailed, match=r"accel=compile \(fp32\) differs: step-1 gradient of '2.bias'"):
         check(MLP, STEPS, ["none", "compile"], strict=True)
+
+
+def test_strict_fails_on_a_chaotic_model_whose_export_doubles_its_output(monkeypatch):
+    """One ulp of any weight scrambles every step-1 gradient of this model, and its ONNX export doubles its logits:
+    the check sees nothing and must not say "within"; both ORT rows cannot be judged (or differ), and strict fails."""
+    monkeypatch.syspath_prepend(str(REPO))
+    model = ["model=custom", "model._target_=tests.helpers.faulty_models.build_chaotic_doubled_under_export", *MLP[2:]]
+    with pytest.raises(parity.ParityFailed) as failed:
+        check(model, STEPS, ["none", *ENGINES], strict=True)
+    rows = {r["mode"]: r for r in failed.value.report["rows"]}
+    for engine in ENGINES:
+        assert rows[engine]["verdict"].startswith((parity.CANNOT_JUDGE, "differs")), rows[engine]
+        assert f"accel={engine} (fp32)" in str(failed.value)
+
+
+def test_strict_passes_a_cnn_whose_conv_biases_feed_batchnorms_in_every_engine(monkeypatch):
+    """Conv biases before BatchNorms: their step-1 gradients are rounding noise in every engine, judged against the
+    conv weights' beside them: each engine, torch.compile included, within eager's own noise."""
+    monkeypatch.syspath_prepend(str(REPO))
+    model = ["model=custom", "model._target_=tests.helpers.zoo.conv_bias_batchnorm", *MLP[2:]]
+    report = check(model, STEPS, ["none", *ENGINES, "compile"], strict=True)
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert set(report["envelopes"]["fp32"]["detectable"]["gradient"]["rounding_noise"]) == {
+        "body.1.bias",
+        "body.4.bias",
+    }
+    for engine in (*ENGINES, "compile"):
+        assert rows[engine]["verdict"] == "within eager's own noise", rows[engine]
+
+
+def test_strict_fails_on_a_ten_percent_gradient_error_in_bf16(monkeypatch):
+    """bf16-mixed rows are held to eager fp32 with eager bf16's distance as the band: a step-1 gradient planted 10%
+    off differs (the check said "within" up to 100% before), the unplanted row is within."""
+    monkeypatch.syspath_prepend(str(REPO))
+    bf16 = [*MLP, "trainer.precision=bf16-mixed"]
+    clean = check(bf16, STEPS, ["none", "artifacts"], strict=True)
+    assert clean["rows"][1]["verdict"] == "within eager's own noise"
+    assert clean["envelopes"]["bf16-mixed"]["detectable"]["gradient"]["error"] <= parity.JUDGEABLE["bf16-mixed"]
+    plant = plants.scale_gradient("0.weight", 1.1, "artifacts")
+    says = r"accel=artifacts \(bf16-mixed\) differs: step-1 gradient of '0.weight'"
+    with plants.declared(), pipeline.planted(plant), pytest.raises(parity.ParityFailed, match=says):
+        check(bf16, STEPS, ["none", "artifacts"], strict=True)

@@ -54,3 +54,21 @@ class NaNUnderExport(nn.Module):
 
 def build_nan_under_export(num_classes: int = 10) -> nn.Module:
     return NaNUnderExport(num_classes)
+
+
+class ChaoticDoubledUnderExport(nn.Module):
+    """An MLP on the digits whose hidden layer goes through sin(1e8 x): one ulp of any weight scrambles every step-1
+    gradient (eager's own runs say nothing about an engine), and whose ONNX export doubles its logits: an ORT engine
+    trains another model, which a check blind to it must not call "within"."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(64, 32), nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.last(torch.sin(1e8 * self.first(x)))
+        return 2 * logits if torch.onnx.is_in_onnx_export() else logits
+
+
+def build_chaotic_doubled_under_export(num_classes: int = 10) -> nn.Module:
+    return ChaoticDoubledUnderExport(num_classes)

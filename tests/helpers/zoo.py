@@ -388,3 +388,29 @@ def gradient_masked(num_classes: int = 10) -> nn.Module:
     model = mlp(num_classes)
     model[0].weight.register_hook(_no_gradient)
     return model
+
+
+class ConvBiasBatchNorm(nn.Module):
+    """Convolutions with biases before BatchNorms (a common shape): those biases' gradients are 0 in exact arithmetic,
+    rounding noise in any engine."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)),
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Flatten(),
+        )
+        self.head = nn.Linear(8 * 64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def conv_bias_batchnorm(num_classes: int = 10) -> nn.Module:
+    return ConvBiasBatchNorm(num_classes)
