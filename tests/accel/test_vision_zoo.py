@@ -23,14 +23,16 @@ MODELS = [
     "torchvision:squeezenet1_1",  # ReLUs everywhere: weights whose gradients are near AdamW's eps
     "torchvision:densenet121",
     "torchvision:convnext_shrunk",  # LayerNorm over channels, depthwise 7x7, permutes
+    "torchvision:googlenet",  # conv biases before BatchNorms: their step-1 gradients are rounding noise
     # timm's own builds of the architectures above (mobilenetv3_small_050, efficientnet_b0, regnety_002, resnet18)
     # are the same layer types: they passed and are left out; timm's ConvNeXt and ViT stay, built its own way.
     "timm:convnext_atto",
     "timm:vit_tiny_patch16_224",  # at img_size 32, patch 8
 ]
 # At 32x32 and batch 8 one ulp of the weights moves a gradient of these so far that the check cannot see a 1% error
-# (measured on a Zen 5, the smallest error it sees: DenseNet-121 0.53, RegNetY-400MF 0.81, ShuffleNetV2 0.5 0.029,
-# which another CPU's rounding may bring under 1%: either verdict, never "differs").
+# (measured on a Zen 4, the smallest error it sees: DenseNet-121 0.035, RegNetY-400MF 0.87; ShuffleNetV2 0.5 0.0061,
+# which another CPU's rounding may bring over 1%: either verdict, never "differs"). A batch of 32 does not help (0.15
+# and 0.25). GoogLeNet, "cannot judge" while its conv biases' rounding-noise gradients set the bound, is judged.
 UNJUDGEABLE = {
     "torchvision:densenet121": True,
     "torchvision:regnet_y_400mf": True,

@@ -25,6 +25,8 @@ def build(name: str, num_classes: int = 10, **_ignored) -> nn.Module:
 
         settings = [CNBlockConfig(16, 32, 1), CNBlockConfig(32, 64, 1), CNBlockConfig(64, None, 1)]
         return ConvNeXt(settings, num_classes=num_classes)
+    if model == "googlenet":  # its auxiliary classifiers return a tuple in training: the main head only
+        return torchvision.models.get_model(model, weights=None, num_classes=num_classes, aux_logits=False)
     return torchvision.models.get_model(model, weights=None, num_classes=num_classes)
 
 
