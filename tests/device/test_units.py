@@ -1,8 +1,11 @@
 """The device export's parts that need no export: the optimizer model's learning-rate scale, BatchNorm's momentum
 in the graph, refusals, the flat parameter buffer's way back, the torch-free loader, the server's headers."""
 
+import http.client
+import json
 import sys
 import threading
+import urllib.parse
 import urllib.request
 
 import numpy as np
@@ -110,6 +113,48 @@ def test_the_server_sets_the_types_and_isolation_headers(tmp_path):
             assert mjs.headers["Content-Type"] == "text/javascript"
             assert wasm.headers["Cross-Origin-Opener-Policy"] == "same-origin"
             assert wasm.headers["Cross-Origin-Embedder-Policy"] == "require-corp"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _status(url: str) -> int:
+    """The HTTP status of a GET of `url`, its path sent as written (`..` included)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        connection.request("GET", url[len(f"{parts.scheme}://{parts.netloc}") :])
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def test_the_server_serves_the_export_folder_alone_and_lists_only_the_data_folder(tmp_path):
+    root, outside = tmp_path / "set", tmp_path / "secret"
+    for path in (root / "web" / "index.html", root / "data" / "mine" / "a" / "1.png", root / "manifest.json"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    (root / "data" / "mine" / ".hidden.png").write_text("x")
+    (root / ".git").mkdir()
+    (root / ".git" / "config").write_text("x")
+    outside.mkdir()
+    (outside / "key.txt").write_text("x")
+    (root / "data" / "link").symlink_to(outside, target_is_directory=True)
+    server = serve.make_server(root, port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert _status(f"{base}/web/index.html") == 200 and _status(f"{base}/manifest.json") == 200
+        with urllib.request.urlopen(f"{base}/data/mine/?list") as listing:
+            assert json.loads(listing.read()) == ["a/1.png"]
+        with urllib.request.urlopen(f"{base}/data/?list") as listing:
+            assert json.loads(listing.read()) == ["mine/a/1.png"]  # not the link's files
+        for refused in (
+            "/?list", "/web/?list", "/data/link/?list", "/data/../?list", "/data/mine/../../?list",
+            "/web/../../secret/key.txt", "/../secret/key.txt", "/%2e%2e/secret/key.txt", "/data/link/key.txt",
+            "/.git/config", "/data/mine/.hidden.png", "/data/", "/data/mine/a/",
+        ):  # fmt: skip
+            assert _status(base + refused) == 404, refused
     finally:
         server.shutdown()
         server.server_close()
