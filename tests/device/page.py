@@ -1,51 +1,73 @@
-"""The page in headless Chromium: a server of the export folder (ortflow.device.serve's handler) that also takes the
-page's POSTed result (its `report=` URL parameter), so a test waits for the page to finish in real time."""
+"""The page in headless Chromium, driven by Playwright with Debian's chromium as its executable (nothing downloads a
+browser): a server of the export folder (ortflow.device.serve's), and the page's result read from the page itself
+(its hidden #result element, written when it is done or failed)."""
 
+import contextlib
 import json
-import queue
-import subprocess
 import threading
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from ortflow.device import serve
 from tests.device.conftest import BROWSER, require
-
-REPORT = "/report"
-
-
-class _Reporting(serve.Handler):
-    results: queue.Queue
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.send_response(204)
-        self.end_headers()
-        if self.path == REPORT:
-            self.results.put(json.loads(body))
+from tests.helpers.clusters import tools_required
 
 
-def run(folder: Path, profile: Path, timeout: float = 240, **params: str | int | None) -> dict:
-    """Open folder/web/index.html with `params` (None: a flag without value) and `report`; the page's result."""
-    results: queue.Queue = queue.Queue()
-    server = serve.make_server(folder, port=0, handler=type("Handler", (_Reporting,), {"results": results}))
+@contextlib.contextmanager
+def served(folder: Path, handler: type[serve.Handler] = serve.Handler) -> Iterator[str]:
+    """`folder` served on a free loopback port; its base URL."""
+    server = serve.make_server(folder, port=0, handler=handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = server.server_address[1]
-    parts = [k if v is None else f"{k}={urllib.parse.quote(str(v), safe='/.')}" for k, v in params.items()]
-    url = f"http://127.0.0.1:{port}/web/index.html?{'&'.join([*parts, f'report={REPORT}'])}"
-    command = [
-        require(BROWSER, "the browser tests drive the page in headless Chromium"),
-        "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}", url,
-    ]  # fmt: skip
-    browser = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        return results.get(timeout=timeout)
-    except queue.Empty:
-        browser.kill()
-        raise AssertionError(f"the page reported nothing in {timeout} s: {browser.communicate()[1][-1500:]}") from None
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
-        browser.kill()
-        browser.wait()
         server.shutdown()
         server.server_close()
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
+    """A headless Chromium under Playwright (its Browser)."""
+    executable = require(BROWSER, "the browser tests drive the page in headless Chromium")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        message = "playwright is not installed (the test extras have it: pip install -e '.[test]')"
+        if tools_required():
+            pytest.fail(message)
+        pytest.skip(message)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def url(base: str, **params: str | int | None) -> str:
+    """The page's URL with `params` (None: a flag without value)."""
+    parts = [k if v is None else f"{k}={urllib.parse.quote(str(v), safe='/.:')}" for k, v in params.items()]
+    return f"{base}/web/index.html" + (f"?{'&'.join(parts)}" if parts else "")
+
+
+def result(page: Any, timeout: float = 240) -> dict:
+    """The page's result: the JSON it writes into #result when it is done or failed (waited for, then cleared, so
+    that the next wait sees the next result)."""
+    handle = page.wait_for_function(
+        "() => { const r = document.getElementById('result'); const t = r.textContent; "
+        "if (t) r.textContent = ''; return t || null; }",
+        timeout=timeout * 1000,
+    )
+    return json.loads(handle.json_value())
+
+
+def run(folder: Path, timeout: float = 240, **params: str | int | None) -> dict:
+    """Open folder/web/index.html with `params`; the page's result."""
+    with served(folder) as base, chromium() as browser:
+        page = browser.new_page()
+        page.goto(url(base, **params))
+        return result(page, timeout)

@@ -142,9 +142,7 @@ def test_the_browser_trains_as_the_torch_free_path_and_its_parameters_come_back(
     folder = run_dir / export_artifacts.FOLDER
     check_set = folder / manifest["check"]["set"]
     steps = manifest["check"]["steps"]
-    page = browser.run(
-        folder, tmp_path / "profile", autorun=None, dump=None, steps=steps, set=f"../{manifest['check']['set']}"
-    )
+    page = browser.run(folder, autorun=None, dump=None, steps=steps, set=f"../{manifest['check']['set']}")
     assert page["status"] == "done" and page["onnxruntimeWeb"] == "1.19.2", page.get("error")
     for got, want in zip(page["losses"], manifest["check"]["losses_without_torch"], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (page["losses"], manifest["check"]["losses_without_torch"])

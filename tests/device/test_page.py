@@ -59,9 +59,10 @@ def test_the_page_trains_the_language_model_on_a_text_file_and_continues_a_promp
     run_dir, manifest = exported["transformer"] if tokenizer == "bytes" else bpe_set
     assert manifest["preprocessing"]["tokenizer"]["kind"] == tokenizer
     folder = run_dir / export_artifacts.FOLDER
-    (folder / "mine.txt").write_text(TEXT)
+    (folder / "data").mkdir(exist_ok=True)
+    (folder / "data" / "mine.txt").write_text(TEXT)
     page = browser.run(
-        folder, tmp_path / "p", autorun=None, dump=None, steps=40, data="../mine.txt", prompt="the quick", tokens=24
+        folder, autorun=None, dump=None, steps=40, data="../data/mine.txt", prompt="the quick", tokens=24
     )
     assert page["status"] == "done" and page["mode"] == "text", page
     assert _falls(page["losses"]), page["losses"]
@@ -110,7 +111,7 @@ def test_the_page_trains_the_classifier_on_a_folder_of_images_and_labels_them(ex
     folder = run_dir / export_artifacts.FOLDER
     prep, size = manifest["preprocessing"], manifest["preprocessing"]["image_size"]
     assert prep["classes"][:2] == ["disk", "ring"]  # the run's class names, in class-id order
-    data = folder / "mine"
+    data = folder / "data" / "mine"
     shutil.rmtree(data, ignore_errors=True)
     rng = np.random.default_rng(0)
     for label, channel in COLOURS.items():
@@ -118,7 +119,7 @@ def test_the_page_trains_the_classifier_on_a_folder_of_images_and_labels_them(ex
             _image(data / label / f"{i:02d}.png", size, channel, rng)
     _image(data / "cats" / "00-large.png", 2 * size + 3, 0, rng)  # another size: resized (and trained on)
     (data / "dogs" / "00-broken.png").write_bytes(b"not an image")
-    page = browser.run(folder, tmp_path / "p", autorun=None, dump=None, steps=30, data="../mine/")
+    page = browser.run(folder, autorun=None, dump=None, steps=30, data="../data/mine/")
     assert page["status"] == "done" and page["mode"] == "image", page
     assert _falls(page["losses"]), page["losses"]
     assert page["labels"] == {"cats": 0, "dogs": 1}  # not the set's class names: classes 0, 1 in sorted order
@@ -157,9 +158,9 @@ def test_bad_data_gets_a_message_on_the_page(exported, recipe, data, says, tmp_p
     require("npm", "the page's onnxruntime-web comes from npm")
     run_dir, manifest = exported[recipe]
     folder = tmp_path / "set"
-    shutil.copytree(run_dir / export_artifacts.FOLDER, folder, ignore=shutil.ignore_patterns("check", "mine*"))
+    shutil.copytree(run_dir / export_artifacts.FOLDER, folder, ignore=shutil.ignore_patterns("check", "data"))
     for name, content in data.items():
-        path = folder / name
+        path = folder / ("data" if name != "checkpoint" else "") / name
         path.parent.mkdir(parents=True, exist_ok=True)
         if content is None:
             path.unlink()
@@ -168,7 +169,7 @@ def test_bad_data_gets_a_message_on_the_page(exported, recipe, data, says, tmp_p
         else:
             path.write_bytes(content)
     source = next(iter(data)).split("/")[0]
-    params = {"data": f"../{source}{'/' if source != 'mine.txt' else ''}"} if source != "checkpoint" else {}
-    page = browser.run(folder, tmp_path / "p", autorun=None, steps=2, **params)
+    params = {"data": f"../data/{source}{'/' if source != 'mine.txt' else ''}"} if source != "checkpoint" else {}
+    page = browser.run(folder, autorun=None, steps=2, **params)
     assert page["status"] == "error" and page["kind"] == "data", page
     assert says in page["error"], page["error"]

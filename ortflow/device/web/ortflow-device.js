@@ -327,21 +327,29 @@ export class DeviceSet {
   }
 
   /** Labels for images (Blobs): [{label, probability, probabilities}], label the user's (from `labels`, the
-   * mapping imageData returned) or the set's class name. */
+   * mapping imageData returned) or the set's class name; null in place of a file the browser cannot decode (the
+   * others are labelled all the same). */
   async classify(blobs, labels = null) {
     this._requireKind("image");
     const names = this.classes.slice();
     if (labels) for (const [label, id] of Object.entries(labels)) names[id] = label;
-    const found = [];
-    for (let i = 0; i < blobs.length; i += this.batchSize) {
-      const samples = [];
-      for (const blob of blobs.slice(i, i + this.batchSize)) samples.push({ ...(await this.prepareImage(blob)), target: 0 });
-      const logits = await this._predict(samples);
+    const readable = [];
+    for (const [index, blob] of blobs.entries()) {
+      try {
+        readable.push({ index, sample: { ...(await this.prepareImage(blob)), target: 0 } });
+      } catch {
+        // left out: null in its place
+      }
+    }
+    const found = blobs.map(() => null);
+    for (let i = 0; i < readable.length; i += this.batchSize) {
+      const chunk = readable.slice(i, i + this.batchSize);
+      const logits = await this._predict(chunk.map((r) => r.sample));
       const width = names.length;
-      samples.forEach((_, k) => {
+      chunk.forEach(({ index }, k) => {
         const probabilities = softmax(logits.subarray(k * width, (k + 1) * width), 1);
         const best = probabilities.indexOf(Math.max(...probabilities));
-        found.push({ label: names[best], probability: probabilities[best], probabilities });
+        found[index] = { label: names[best], probability: probabilities[best], probabilities };
       });
     }
     return found;

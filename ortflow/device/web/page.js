@@ -1,10 +1,13 @@
 // The page: trains the set on the person's own text file or folder of images (or, with nothing picked, the set's
 // example batch), plots the loss live, evaluates on a held-out part, shows what the model learned (a continuation
 // of a prompt, labels for images) and offers the trained parameters for ortflow-import-artifacts. Built on
-// ortflow-device.js. URL parameters (for a page opened with data served beside it, and for tests):
+// ortflow-device.js. Nothing leaves the page: it fetches only from its own server (the set, onnxruntime-web, and
+// the data a URL parameter names there) and sends nothing; the parameters leave through the Download button alone.
+// URL parameters (for a page opened with data served beside it, and for scripts), same-origin only:
 //   set=FOLDER (the set, relative to this page; default "..")   data=FILE or data=FOLDER/ (served beside the page)
 //   steps=N   seed=N   prompt=TEXT   tokens=N   temperature=T   autorun (train at load)   dump (parameters in the result)
-//   report=URL (POST the result, as JSON, to URL when done or failed: how a test or a script reads it)
+// The result (JSON) is written into the page's hidden #result element when done or failed: a script driving the
+// page reads it there.
 import { DataError, openSet, scalar } from "./ortflow-device.js";
 
 const query = new URLSearchParams(location.search);
@@ -21,7 +24,7 @@ function fail(error) {
   const message = error instanceof DataError ? error.message : `error: ${error.message || error}`;
   if (!(error instanceof DataError)) console.error(error.stack || error);
   status(message, true);
-  report({ status: "error", error: String(error.message || error), kind: error instanceof DataError ? "data" : "internal" });
+  show({ status: "error", error: String(error.message || error), kind: error instanceof DataError ? "data" : "internal" });
   $("train").disabled = !set;
 }
 
@@ -34,6 +37,16 @@ function draw(losses) {
   svg.innerHTML = `<polyline fill="none" stroke="#1565c0" stroke-width="2" points="${points}"/>` +
     `<text x="${pad}" y="16" font-size="12">loss ${hi.toFixed(4)}</text>` +
     `<text x="${pad}" y="${h - 8}" font-size="12">${lo.toFixed(4)} after ${losses.length} steps</text>`;
+}
+
+/** A URL parameter's URL, refused unless it is on the page's own server: the page fetches nothing elsewhere. */
+function ownUrl(name, spec) {
+  const url = new URL(spec, location.href);
+  if (url.origin !== location.origin) {
+    throw new DataError(`${name}=${spec} is on another server (${url.origin}): the page reads only what its own ` +
+      `server (${location.origin}) serves, so that nothing you train leaves it. Serve the file from there.`);
+  }
+  return url;
 }
 
 function base64(u8) {
@@ -59,33 +72,58 @@ async function useText(bytes, name) {
   }
 }
 
-async function useImages(files, name) {
+const UNREADABLE = "not an image the browser can read";
+
+/** Files of a picked or served folder ([{path, ...}], paths relative to it) with their labels: one rule for both
+ * ways in. A file's label is the folder it is in directly under the picked one; hidden files (a name starting
+ * with a dot) are ignored; files beside the label folders are left out, with the reason. */
+function labelled(entries) {
+  const files = [], leftOut = [];
+  for (const entry of entries) {
+    const parts = entry.path.split("/");
+    if (parts.some((part) => part.startsWith("."))) continue;
+    if (parts.length < 2) leftOut.push({ name: entry.path, why: "beside the label folders, in none" });
+    else files.push({ ...entry, label: parts[0], name: entry.path });
+  }
+  return { files, leftOut };
+}
+
+function named(leftOut) {
+  const shown = leftOut.slice(0, 5).map((f) => `${f.name} (${f.why})`).join(", ");
+  return `${leftOut.length} left out: ${shown}${leftOut.length > 5 ? `, and ${leftOut.length - 5} more` : ""}`;
+}
+
+async function useImages(files, name, leftOut = []) {
   status(`reading ${files.length} images...`);
   data = await set.imageData(files);
+  data.skipped = [...leftOut, ...data.skipped.map((file) => ({ name: file, why: UNREADABLE }))];
   const notes = [];
   if (data.resized) notes.push(`${data.resized} resized from other sizes to ${set.prep.image_size}x${set.prep.image_size}`);
-  if (data.skipped.length) notes.push(`${data.skipped.length} unreadable left out (${data.skipped.slice(0, 3).join(", ")})`);
+  if (data.skipped.length) notes.push(named(data.skipped));
   $("data-about").textContent = `${name}: ${data.train.length} images to train on, ${data.eval.length} held out; ` +
     `labels ${data.classNames.join(", ")}${notes.length ? `; ${notes.join("; ")}` : ""}.`;
 }
 
 async function fromUrl(spec) {
-  const url = new URL(spec, location.href);
+  const url = ownUrl("data", spec);
   if (!spec.endsWith("/")) {
     const response = await fetch(url);
-    if (!response.ok) throw new DataError(`data=${spec}: HTTP ${response.status}.`);
+    if (!response.ok) throw new DataError(`data=${spec} could not be loaded (HTTP ${response.status}).`);
     return useText(new Uint8Array(await response.arrayBuffer()), spec);
   }
-  const listing = await fetch(new URL("?list", url));  // serve.py lists a folder's files as JSON
-  if (!listing.ok) throw new DataError(`data=${spec}: the folder cannot be listed (HTTP ${listing.status}).`);
-  const files = [];
-  for (const path of await listing.json()) {
-    const parts = path.split("/");
-    if (parts.length < 2) continue;  // a file beside the label folders
-    const response = await fetch(new URL(path, url));
-    files.push({ label: parts[parts.length - 2], name: path, blob: await response.blob() });
+  const listing = await fetch(new URL("?list", url));  // serve.py lists a folder in its data folder as JSON
+  if (!listing.ok) {
+    throw new DataError(`data=${spec}: the folder cannot be listed (HTTP ${listing.status}); serve.py lists only ` +
+      "the folders in the export folder's data/.");
   }
-  return useImages(files, spec);
+  const { files, leftOut } = labelled((await listing.json()).map((path) => ({ path })));
+  const loaded = [];
+  for (const file of files) {
+    const response = await fetch(new URL(file.path, url)).catch((error) => ({ ok: false, status: error.message }));
+    if (response.ok) loaded.push({ ...file, blob: await response.blob() });
+    else leftOut.push({ name: file.name, why: `could not be loaded: HTTP ${response.status}` });
+  }
+  return useImages(loaded, spec, leftOut);
 }
 
 $("text-file").onchange = async (event) => {
@@ -93,9 +131,11 @@ $("text-file").onchange = async (event) => {
   if (file) await useText(new Uint8Array(await file.arrayBuffer()), file.name).then(() => status("Ready.")).catch(fail);
 };
 $("image-folder").onchange = async (event) => {
-  const files = [...event.target.files].filter((f) => !f.name.startsWith("."))
-    .map((f) => ({ label: f.webkitRelativePath.split("/").slice(-2, -1)[0], name: f.webkitRelativePath, blob: f }));
-  await useImages(files, `${files.length} files`).then(() => status("Ready.")).catch(fail);
+  const picked = [...event.target.files];  // webkitRelativePath: the picked folder's name, then the path in it
+  const entries = picked.map((f) => ({ path: f.webkitRelativePath.split("/").slice(1).join("/"), blob: f }));
+  const { files, leftOut } = labelled(entries);
+  const folder = picked.length ? picked[0].webkitRelativePath.split("/")[0] : "the folder";
+  await useImages(files, folder, leftOut).then(() => status("Ready.")).catch(fail);
 };
 
 // ---- training, evaluation, what it learned ------------------------------------------------------------------------
@@ -119,7 +159,9 @@ async function train(steps) {
     lastRun.eval = result;
     lastRun.evalLoss = result.loss;
     lastRun.heldOut = data.heldOut;
-    if (data.labels) Object.assign(lastRun, { labels: data.labels, skipped: data.skipped, resized: data.resized });
+    if (data.labels) {
+      Object.assign(lastRun, { labels: data.labels, skipped: data.skipped.map((f) => f.name), resized: data.resized });
+    }
     $("evaluation").textContent = `held out (${result.count} ${set.kind === "text" ? "tokens" : "images"}): loss ` +
       `${result.loss.toFixed(5)}` + (result.accuracy === null ? "" : `, accuracy ${(100 * result.accuracy).toFixed(1)}%`);
   } else {
@@ -147,29 +189,37 @@ async function continuePrompt() {
 }
 
 async function classify(items) {
-  const found = await set.classify(items.map((i) => i.blob), data && data.labels);
+  const found = await set.classify(items.map((i) => i.blob), data && data.labels);  // null: an unreadable file
   const body = $("predictions").tBodies[0];
   body.innerHTML = "";
-  lastRun.predictions = items.map((item, k) => ({ name: item.name, truth: item.truth ?? null, label: found[k].label,
-                                                  probability: found[k].probability }));
-  for (const p of lastRun.predictions) {
-    const image = URL.createObjectURL(items[lastRun.predictions.indexOf(p)].blob);
-    body.insertAdjacentHTML("beforeend", `<tr><td><img src="${image}" alt=""></td><td>${escape(p.name)}</td>` +
-      `<td><b>${escape(p.label)}</b> ${(100 * p.probability).toFixed(0)}%</td>` +
+  lastRun.predictions = items.map((item, k) => ({ name: item.name, truth: item.truth ?? null,
+                                                  label: found[k] && found[k].label,
+                                                  probability: found[k] && found[k].probability }));
+  const leftOut = lastRun.predictions.filter((p) => p.label === null).map((p) => ({ name: p.name, why: UNREADABLE }));
+  lastRun.unlabelled = leftOut.map((f) => f.name);
+  $("classify-about").textContent = leftOut.length ? `${named(leftOut)}.` : "";
+  lastRun.predictions.forEach((p, k) => {
+    if (p.label === null) {
+      body.insertAdjacentHTML("beforeend", `<tr><td></td><td>${escape(p.name)}</td><td>${UNREADABLE}: left out</td>` +
+        "<td></td></tr>");
+      return;
+    }
+    const image = URL.createObjectURL(items[k].blob);
+    body.insertAdjacentHTML("beforeend", `<tr><td><img src="${image}" alt="${escape(p.name)}"></td>` +
+      `<td>${escape(p.name)}</td><td><b>${escape(p.label)}</b> ${(100 * p.probability).toFixed(0)}%</td>` +
       `<td class="muted">${p.truth === null ? "" : `(labelled ${escape(p.truth)})`}</td></tr>`);
-  }
+  });
 }
 
 function publish() {
   const result = { ...lastRun, parameterCount: trained.length / 4, crossOriginIsolated,
                    onnxruntimeWeb: ort.env.versions.web };
   if (query.has("dump")) result.parameters = base64(trained);
-  report(result);
+  show(result);
 }
 
-function report(result) {
+function show(result) {  // in the page, for a script driving it: nothing is sent anywhere
   $("result").textContent = JSON.stringify(result);
-  if (query.get("report")) fetch(query.get("report"), { method: "POST", body: JSON.stringify(result) });
 }
 
 $("train").onclick = () => train(Number($("steps").value)).catch(fail);
@@ -185,7 +235,7 @@ $("download").onclick = () => {
 
 async function load() {
   ort.env.wasm.wasmPaths = new URL("ort/", location.href).href;
-  set = await openSet(query.get("set") || "..");
+  set = await openSet(ownUrl("set", query.get("set") || "..").href);
   const m = set.manifest;
   $("about").textContent = `${set.kind || "custom"} set: batch of ${m.batch_size}, ${m.parameters.count} parameters, ` +
     `learning rate ${m.learning_rate.value} (carried in the optimizer model), onnxruntime-web ${ort.env.versions.web}, ` +
