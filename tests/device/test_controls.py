@@ -98,6 +98,7 @@ def text_run(exported, chromium, tmp_path_factory):  # noqa: F811
     request the page made and what the listener received."""
     run_dir, manifest = exported["transformer"]
     folder = run_dir / export_artifacts.FOLDER
+    check_set = folder / manifest["check"]["set"]
     tmp = tmp_path_factory.mktemp("controls")
     mine = tmp / "mine.txt"
     mine.write_text(TEXT)
@@ -110,7 +111,9 @@ def text_run(exported, chromium, tmp_path_factory):  # noqa: F811
             page = chromium.new_page(accept_downloads=True)
             requests: list[str] = []
             page.on("request", lambda request: requests.append(request.url))
-            page.goto(browser.url(base, report=f"{elsewhere}/report", data=f"{elsewhere}/mine.txt"))
+            # The dropout-off set (its check's): step 1's loss is then torch's on the first batch, exactly.
+            params = {"set": f"../{manifest['check']['set']}", "report": f"{elsewhere}/r", "data": f"{elsewhere}/m.txt"}
+            page.goto(browser.url(base, **params))
             refused = browser.result(page)["error"]  # data= refused at load, with its message
             assert refused in page.locator("#status").inner_text()
             page.get_by_label("A text file").set_input_files(mine)
@@ -142,7 +145,7 @@ def text_run(exported, chromium, tmp_path_factory):  # noqa: F811
         listener.shutdown()
         listener.server_close()
     return {
-        "run_dir": run_dir, "folder": folder, "manifest": manifest, "tmp": tmp, "refused": refused, "about": about,
+        "run_dir": run_dir, "folder": check_set, "manifest": manifest, "tmp": tmp, "refused": refused, "about": about,
         "shown": shown, "seen": seen, "evaluation": evaluation, "rows": rows, "tab_order": tab_order,
         "continued": continued, "continuation": continuation, "parameters": parameters, "requests": requests,
         "origin": base, "got": got,
@@ -176,6 +179,55 @@ def test_a_picked_text_file_trains_with_the_loss_shown_step_by_step(text_run):
     assert np.mean(shown["losses"][-5:]) < np.mean(shown["losses"][:5]) - 0.2, shown["losses"]
 
 
+def _mulberry32(seed: int):
+    """The page's seeded generator (ortflow-device.js), in uint32 arithmetic."""
+    state = seed & MASK
+
+    def draw() -> float:
+        nonlocal state
+        state = (state + 0x6D2B79F5) & MASK
+        t = (state ^ (state >> 15)) * (state | 1) & MASK
+        t ^= (t + ((t ^ (t >> 7)) * (t | 61) & MASK)) & MASK
+        return ((t ^ (t >> 14)) & MASK) / 2**32
+
+    return draw
+
+
+MASK = 0xFFFFFFFF
+
+
+def _first_batch(count: int, batch: int, seed: int = 0) -> list[int]:
+    """The training windows of the page's first batch: a Fisher-Yates shuffle drawn from the seeded generator."""
+    draw, order = _mulberry32(seed), list(range(count))
+    for i in range(count - 1, 0, -1):
+        j = int(draw() * (i + 1))
+        order[i], order[j] = order[j], order[i]
+    return order[:batch]
+
+
+def _model(text_run, state: Path | None = None) -> tuple[torch.nn.Module, object]:
+    cfg, _, model, _ = rebuild(text_run["run_dir"], "final")
+    if state is not None:
+        model.load_state_dict(torch.load(state, weights_only=True))
+    return model.eval(), cfg
+
+
+def test_the_train_button_trains_on_the_picked_file(text_run):
+    """Step 1's loss in the page's table is the set's first model's (the run's, dropout off) on the first batch of
+    the picked file's windows, made here as the page draws them: not on the set's example batch, nor on other data."""
+    held = re.search(r"training on the first (\d+), \d+ windows of (\d+) held out", text_run["about"])
+    split, block = int(held[1]), int(held[2])
+    tokens = torch.tensor(list(TEXT.encode()))
+    starts = _first_batch(split - block, text_run["manifest"]["batch_size"])
+    inputs = torch.stack([tokens[s : s + block] for s in starts])
+    targets = torch.stack([tokens[s + 1 : s + block + 1] for s in starts])
+    model, cfg = _model(text_run)
+    with torch.no_grad():
+        loss = float(losses.build(cfg.loss)(model(inputs), targets))
+    step_1 = float(text_run["rows"][0].split()[1])
+    assert abs(step_1 - loss) <= 1e-5 * loss, (step_1, loss)
+
+
 def test_a_typed_prompt_is_continued(text_run):
     continuation = text_run["continuation"]
     assert continuation.startswith("the lazy") and len(continuation) > len("the lazy"), continuation
@@ -199,10 +251,9 @@ def test_the_downloaded_parameters_import_and_evaluate_to_the_loss_the_page_show
     import_artifacts.main(
         [str(text_run["parameters"]), str(text_run["run_dir"]), "--set", str(text_run["folder"]), "--out", str(out)]
     )
-    cfg, _, model, _ = rebuild(text_run["run_dir"], "final")
-    model.load_state_dict(torch.load(out, weights_only=True))
+    model, cfg = _model(text_run, out)
     with torch.no_grad():
-        loss = float(losses.build(cfg.loss)(model.eval()(inputs), targets))
+        loss = float(losses.build(cfg.loss)(model(inputs), targets))
     assert abs(loss - shown_loss) <= 6e-6 + 1e-5 * loss, (loss, text_run["evaluation"])
 
 
