@@ -65,9 +65,11 @@ def result(page: Any, timeout: float = 240) -> dict:
     return json.loads(handle.json_value())
 
 
-def run(folder: Path, timeout: float = 240, **params: str | int | None) -> dict:
-    """Open folder/web/index.html with `params`; the page's result."""
-    with served(folder) as base, chromium() as browser:
+def run(
+    folder: Path, timeout: float = 240, handler: type[serve.Handler] = serve.Handler, **params: str | int | None
+) -> dict:
+    """Open folder/web/index.html, served by `handler`, with `params`; the page's result."""
+    with served(folder, handler) as base, chromium() as browser:
         page = browser.new_page()
         page.goto(url(base, **params))
         return result(page, timeout)

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from ortflow.cli import export_artifacts, import_artifacts
+from ortflow.device import serve
 from ortflow.run.reload import rebuild
 from ortflow.step import loss as losses
 from tests.device import page as browser
@@ -105,6 +106,15 @@ def _pixels(path: Path, prep: dict) -> torch.Tensor:
     return torch.from_numpy(((array - mean) / std).transpose(2, 0, 1).copy())
 
 
+class _Losing(serve.Handler):
+    """A server that lists a file it then cannot serve (HTTP 500)."""
+
+    def do_GET(self) -> None:
+        if self.path.endswith("/00-gone.png"):
+            return self.send_error(500)
+        return super().do_GET()
+
+
 def test_the_page_trains_the_classifier_on_a_folder_of_images_and_labels_them(exported, tmp_path):  # noqa: F811
     require("npm", "the page's onnxruntime-web comes from npm")
     run_dir, manifest = exported["vision"]
@@ -119,11 +129,13 @@ def test_the_page_trains_the_classifier_on_a_folder_of_images_and_labels_them(ex
             _image(data / label / f"{i:02d}.png", size, channel, rng)
     _image(data / "cats" / "00-large.png", 2 * size + 3, 0, rng)  # another size: resized (and trained on)
     (data / "dogs" / "00-broken.png").write_bytes(b"not an image")
-    page = browser.run(folder, autorun=None, dump=None, steps=30, data="../data/mine/")
+    _image(data / "cats" / "00-gone.png", size, 0, rng)  # listed, then refused by the server: left out, named
+    (data / "notes.txt").write_text("beside the label folders: in none")
+    page = browser.run(folder, handler=_Losing, autorun=None, dump=None, steps=30, data="../data/mine/")
     assert page["status"] == "done" and page["mode"] == "image", page
     assert _falls(page["losses"]), page["losses"]
     assert page["labels"] == {"cats": 0, "dogs": 1}  # not the set's class names: classes 0, 1 in sorted order
-    assert page["skipped"] == ["dogs/00-broken.png"] and page["resized"] == 1
+    assert page["skipped"] == ["notes.txt", "cats/00-gone.png", "dogs/00-broken.png"] and page["resized"] == 1
     held = page["heldOut"]
     assert [h["name"] for h in held] == ["cats/07.png", "cats/08.png", "dogs/07.png", "dogs/08.png"]
     assert [p["name"] for p in page["predictions"]] == [h["name"] for h in held]
@@ -171,5 +183,22 @@ def test_bad_data_gets_a_message_on_the_page(exported, recipe, data, says, tmp_p
     source = next(iter(data)).split("/")[0]
     params = {"data": f"../data/{source}{'/' if source != 'mine.txt' else ''}"} if source != "checkpoint" else {}
     page = browser.run(folder, autorun=None, steps=2, **params)
+    assert page["status"] == "error" and page["kind"] == "data", page
+    assert says in page["error"], page["error"]
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        ("../data/missing.txt", "data=../data/missing.txt could not be loaded (HTTP 404)"),
+        ("../web/", "data=../web/: the folder cannot be listed (HTTP 404)"),
+        ("../data/../../", "cannot be listed (HTTP 404)"),
+    ],
+    ids=["missing-file", "folder-outside-data", "parent-folder"],
+)
+def test_data_the_server_does_not_serve_is_named_on_the_page(exported, data, says):  # noqa: F811
+    require("npm", "the page's onnxruntime-web comes from npm")
+    run_dir, _ = exported["vision"]
+    page = browser.run(run_dir / export_artifacts.FOLDER, autorun=None, steps=2, data=data)
     assert page["status"] == "error" and page["kind"] == "data", page
     assert says in page["error"], page["error"]
