@@ -100,6 +100,7 @@ test-range: lint setup-range
 
 # The device tests' tools, each installed once: Debian's chromium (driven headless by the browser tests) and npm,
 # then onnxruntime-web 1.19.2's training build fetched by npm into ~/.cache/ortflow/ (what `--web` vendors).
+# The browser tests drive Debian's chromium with Playwright (the test extras' `playwright`): nothing downloads a browser.
 setup-device: setup-test
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	@command -v npm >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm; }
