@@ -140,6 +140,9 @@ def text_run(exported, chromium, tmp_path_factory):  # noqa: F811
                 page.get_by_role("button", name="Download trained parameters").click()
             parameters = tmp / "parameters.bin"
             download.value.save_as(parameters)
+            # The page's Content-Security-Policy: even a script in the page cannot reach another origin.
+            attempt = "url => fetch(url, { method: 'POST', body: 'x' }).then(() => 'sent', () => 'refused')"
+            sent = page.evaluate(attempt, f"{elsewhere}/post")
             page.close()
     finally:
         listener.shutdown()
@@ -148,12 +151,13 @@ def text_run(exported, chromium, tmp_path_factory):  # noqa: F811
         "run_dir": run_dir, "folder": check_set, "manifest": manifest, "tmp": tmp, "refused": refused, "about": about,
         "shown": shown, "seen": seen, "evaluation": evaluation, "rows": rows, "tab_order": tab_order,
         "continued": continued, "continuation": continuation, "parameters": parameters, "requests": requests,
-        "origin": base, "got": got,
+        "origin": base, "got": got, "sent": sent,
     }  # fmt: skip
 
 
 def test_nothing_the_page_trains_on_leaves_it(text_run):
     assert text_run["got"] == []  # report= and data= named the listener: it received nothing
+    assert text_run["sent"] == "refused"  # a fetch to it from inside the page is refused by the browser
     assert "is on another server" in text_run["refused"], text_run["refused"]
     elsewhere = [u for u in text_run["requests"] if not u.removeprefix("blob:").startswith(text_run["origin"] + "/")]
     assert text_run["requests"] and not elsewhere, elsewhere
