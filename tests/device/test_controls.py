@@ -7,6 +7,7 @@ listener on another loopback port, and the listener receives nothing (nor does a
 origin). Bad data picked gets its message on the page."""
 
 import http.server
+import os
 import re
 import threading
 from pathlib import Path
@@ -61,6 +62,12 @@ def _status(page, says: str) -> str:
         "says => document.getElementById('status').textContent.includes(says)", arg=says, timeout=120_000
     )
     return page.locator("#status").inner_text()
+
+
+def _screenshot(page, name: str) -> None:
+    """The page as it stands, into $ORTFLOW_SCREENSHOTS (docs/images/ holds docs/devices.md's, made so) if set."""
+    if folder := os.environ.get("ORTFLOW_SCREENSHOTS"):
+        page.screenshot(path=Path(folder) / name, full_page=True)
 
 
 def _tab_order(page) -> list[str]:
@@ -136,6 +143,7 @@ def text_run(exported, chromium, tmp_path_factory):  # noqa: F811
             page.keyboard.press("Enter")
             continued = browser.result(page)
             continuation = page.locator("#continuation").inner_text()
+            _screenshot(page, "device-page.png")
             with page.expect_download() as download:
                 page.get_by_role("button", name="Download trained parameters").click()
             parameters = tmp / "parameters.bin"
@@ -295,6 +303,7 @@ def test_a_picked_folder_of_images_trains_and_new_images_are_labelled(exported, 
         labelled = browser.result(page)
         rows = page.locator("#predictions tbody tr").all_inner_texts()
         note = page.locator("#classify-about").inner_text()
+        _screenshot(page, "device-page-images.png")
         page.close()
     assert about.startswith("pictures: 11 images to train on, 2 held out; labels cats -> 0"), about
     assert "1 resized" in about and "2 left out" in about, about
