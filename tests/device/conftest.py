@@ -1,7 +1,8 @@
 """The device tests: exports checked without torch (`device` marker) and in headless Chromium (`browser` marker).
 
 They run in their own phase (`make test-device`, ORTFLOW_DEVICE_TESTS=1): each trains small runs and exports them,
-a minute or more in all, and the browser needs Debian's chromium and onnxruntime-web from npm (`make setup-device`).
+a minute or more in all, and the browser tests need Debian's chromium, driven by Playwright (the test extras), and
+onnxruntime-web from npm (`make setup-device`).
 Without ORTFLOW_DEVICE_TESTS they are deselected. A missing browser or npm skips a test with the reason, except
 under CI=true and in `make test-device` (ORTFLOW_TESTS_REQUIRE_TOOLS=1), where it fails; the session's summary says
 how many browser tests ran, and there none is a failure.
