@@ -29,8 +29,10 @@ only one engine has applies to that one.
 """
 
 import dataclasses
+import functools
 import json
 import logging
+from types import ModuleType
 from typing import Any
 
 from annotated_types import Ge, Interval
@@ -56,13 +58,17 @@ NAME = "auto"
 TITLE = "the fastest engine on this model and CPU, measured before training"
 
 
-ENGINES = catalog.engines()  # simplest first
+def engines() -> dict[str, ModuleType]:
+    """The candidate engines, simplest first: the catalog's, read when asked. Never at import: the catalog imports
+    this module (conf/accel/auto.yaml names it), so a read at import would hand it this module half-imported
+    (tests/accel/test_import_cycle.py)."""
+    return catalog.engines()
 
 
 def _engine_settings() -> dict[str, dataclasses.Field]:
     """Every setting of the candidate engines (first definition wins for a key two engines share)."""
     fields: dict[str, dataclasses.Field] = {}
-    for module in ENGINES.values():
+    for module in engines().values():
         for f in dataclasses.fields(module.Settings):
             if f.name != "_target_":
                 fields.setdefault(f.name, f)
@@ -74,7 +80,7 @@ def _make_settings() -> type:
     own = [
         ("_target_", str, dataclasses.field(default="ortflow.accel.auto.build")),
         # The engines probed, in this order (ties keep the earlier one).
-        ("candidates", list[str], dataclasses.field(default_factory=lambda: list(ENGINES))),
+        ("candidates", list[str], dataclasses.field(default_factory=lambda: list(engines()))),
         ("probe_steps", int, ranged(5, Interval(ge=1, le=100))),  # timed steps per engine and precision, first pass
         # The runoff of the two fastest: at most this many seconds of paired steps before calling them equal
         ("budget_s", float, ranged(60.0, Ge(0))),
@@ -93,15 +99,25 @@ def _make_settings() -> type:
     return settings
 
 
-Settings = _make_settings()
+@functools.cache
+def settings_class() -> type:
+    """auto's Settings, made once, when first asked for (it reads the catalog: not at import)."""
+    return _make_settings()
+
+
+def __getattr__(name: str) -> Any:
+    """`Settings`, the engine module's schema (ortflow/accel/__init__.py), made on first use (PEP 562)."""
+    if name == "Settings":
+        return settings_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def problems(cfg: DictConfig) -> list[str]:
     """Unknown candidates; a config no candidate can run (each one's own reasons, named)."""
     names = list(cfg.accel.candidates)
-    if not names or (unknown := [n for n in names if n not in ENGINES]):
+    if not names or (unknown := [n for n in names if n not in engines()]):
         wrong = f"{unknown} are not engines" if names else "is empty"
-        return [f"accel.candidates={names} {wrong}; choose from {list(ENGINES)}."]
+        return [f"accel.candidates={names} {wrong}; choose from {list(engines())}."]
     if not candidates(cfg):
         reasons = [f"{name}: {'; '.join(_problems_of(cfg, name))}" for name in names]
         return [f"accel=auto: none of the candidate engines can run this config ({' | '.join(reasons)})."]
@@ -109,13 +125,13 @@ def problems(cfg: DictConfig) -> list[str]:
 
 
 def _problems_of(cfg: DictConfig, name: str) -> list[str]:
-    check = getattr(ENGINES[name], "problems", None)
+    check = getattr(engines()[name], "problems", None)
     return list(check(cfg)) if check is not None else []
 
 
 def candidates(cfg: DictConfig) -> list[str]:
     """The candidate engines that can run this config (their own checks pass)."""
-    return [name for name in cfg.accel.candidates if name in ENGINES and not _problems_of(cfg, name)]
+    return [name for name in cfg.accel.candidates if name in engines() and not _problems_of(cfg, name)]
 
 
 def precisions(requested: str) -> list[str]:
@@ -198,14 +214,14 @@ def with_precision_probe(name: str, ctx: EngineContext, settings: dict[str, Any]
     """`trainer.precision=auto` with engine `name`: that engine in fp32 and, on a CPU with bf16 units, in bf16-mixed,
     measured the same way; the faster one trains."""
     probe_keys = ("probe_steps", "budget_s", "cache", "timeout_s")
-    own = {f.name: f.default for f in dataclasses.fields(Settings) if f.name in probe_keys}
+    own = {f.name: f.default for f in dataclasses.fields(settings_class()) if f.name in probe_keys}
     return _build(ctx, {**own, **settings, "candidates": [name]}, [name], "trainer.precision=auto")
 
 
 def _build(ctx: EngineContext, settings: dict[str, Any], names: list[str], by: str) -> AutoEngine:
     wanted = precisions(ctx.config.trainer.precision if ctx.config is not None else ctx.precision)
     probes: list[dict[str, Any]] = []
-    resumable = ENGINES if by == "accel=auto" else names  # accel=auto keeps whichever engine it chose before
+    resumable = engines() if by == "accel=auto" else names  # accel=auto keeps whichever engine it chose before
     if ctx.resumed_choice and ctx.resumed_choice.get("accel") in resumable:
         choice = {**ctx.resumed_choice, "resumed": True}
         log.warning(
@@ -220,14 +236,14 @@ def _build(ctx: EngineContext, settings: dict[str, Any], names: list[str], by: s
         choice, probes = _probed(ctx, settings, names, wanted, by)
     name, precision = choice["accel"], choice["precision"]
     try:
-        engine = ENGINES[name].build(dataclasses.replace(ctx, precision=precision), **settings_for(name, settings))
+        engine = engines()[name].build(dataclasses.replace(ctx, precision=precision), **settings_for(name, settings))
     except OrtflowError as err:
         if not choice.get("cached"):
             raise ConfigError(f"{by} chose accel={name}, which then failed to build: {err}") from err
         log.warning("%s: the cached choice accel=%s no longer builds (%s); probing again", by, name, err)
         forget(cache_key(ctx, names, wanted, settings))
         return _build(ctx, settings, names, by)  # probed again: a failing candidate is never chosen
-    return AutoEngine(engine, {**choice, "by": by, "title": ENGINES[name].TITLE}, probes)
+    return AutoEngine(engine, {**choice, "by": by, "title": engines()[name].TITLE}, probes)
 
 
 def _probed(

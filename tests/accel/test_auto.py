@@ -222,7 +222,7 @@ def test_a_cached_choice_that_no_longer_builds_is_dropped_and_probed_again(measu
     def refusing(*args, **kwargs):
         raise OrtflowError("injected: this engine cannot build the model any more")
 
-    monkeypatch.setattr(auto.ENGINES["artifacts"], "build", refusing)
+    monkeypatch.setattr(auto.engines()["artifacts"], "build", refusing)
     results["artifacts"] = None  # and its probe fails too now
     calls.clear()
     record = run(tmp_path / "second", *AUTO, "accel.candidates=[none,artifacts]")
