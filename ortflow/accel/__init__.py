@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ortflow import machine
 from ortflow.accel import catalog
+from ortflow.accel.catalog import declared
 from ortflow.accel.engine import Engine, EngineContext
 from ortflow.config import AUTO
 from ortflow.errors import OrtflowError
@@ -57,7 +58,7 @@ def engine_module(accel: DictConfig) -> ModuleType:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise OrtflowError(f"accel._target_={target}: module '{module_name}' cannot be imported ({err}).") from None
-    if not callable(getattr(module, function, None)) or not isinstance(getattr(module, "NAME", None), str):
+    if not callable(getattr(module, function, None)) or not isinstance(declared(module, "NAME"), str):
         raise OrtflowError(
             f"accel._target_={target} is not an engine builder: its module needs a NAME string and a callable "
             f"'{function}(ctx, **settings)' (see ortflow/accel/__init__.py)."
@@ -71,14 +72,14 @@ def problems(cfg: DictConfig) -> list[str]:
         module = engine_module(cfg.accel)
     except OrtflowError as err:
         return [str(err)]
-    settings = getattr(module, "Settings", None)
+    settings = declared(module, "Settings")
     schema = OmegaConf.get_type(cfg.accel)
     if settings is not None and schema is not None and schema is not dict and schema is not settings:
         return [
             f"accel._target_={cfg.accel._target_} names the {module.NAME} engine, but the accel keys are those of "
             f"{schema.__name__}: choose the mode with accel={module.NAME} instead of changing accel._target_."
         ]
-    check = getattr(module, "problems", None)
+    check = declared(module, "problems")
     return list(check(cfg)) if check is not None else []
 
 
@@ -105,5 +106,5 @@ def build(accel: DictConfig, ctx: EngineContext) -> Engine:
 def register_schemas(store: Any) -> None:
     """Register the Settings of each engine conf/accel names as `schema/accel/<NAME>` in Hydra's ConfigStore."""
     for name, module in catalog.modules().items():
-        if (settings := getattr(module, "Settings", None)) is not None:
+        if (settings := declared(module, "Settings")) is not None:
             store.store(group="schema/accel", name=name, node=settings)

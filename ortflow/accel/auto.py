@@ -43,7 +43,8 @@ from ortflow.accel import catalog
 from ortflow.accel.auto_cache import cache_key, forget, read_cache, write_cache
 from ortflow.accel.auto_decision import Probe, Runoff, choose, measured, table
 from ortflow.accel.auto_probe import probe_one, rng_state, runoff, set_rng_state, settings_for, warm_up
-from ortflow.accel.engine import EngineContext
+from ortflow.accel.catalog import declared
+from ortflow.accel.engine import Engine, EngineContext, Wrapper, forwarding
 from ortflow.config import AUTO, BF16, FP32
 from ortflow.errors import ConfigError, OrtflowError
 from ortflow.ranges import ranged
@@ -125,7 +126,7 @@ def problems(cfg: DictConfig) -> list[str]:
 
 
 def _problems_of(cfg: DictConfig, name: str) -> list[str]:
-    check = getattr(engines()[name], "problems", None)
+    check = declared(engines()[name], "problems")
     return list(check(cfg)) if check is not None else []
 
 
@@ -182,26 +183,29 @@ def run_length(ctx: EngineContext) -> int | None:
     return int(ctx.config.trainer.max_steps) * max(ctx.accumulate, 1)
 
 
-class AutoEngine:
+class AutoEngine(Wrapper):
     """The chosen engine, with the probe in its description (run.json) and its choice for checkpoints.
 
-    Everything else is the chosen engine's own, found through `__getattr__`: an optional member the loop or
-    ortflow-check looks for (train_micro, last_grad_norm, an ORT engine's state) is there exactly when the chosen
-    engine has it, which a wrapper listing the protocol's methods would get wrong."""
+    Its optional capabilities (accel/engine.py: train_micro, last_grad_norm, an ORT engine's state, ...) are exactly
+    the chosen engine's: `auto_engine` makes it with engine.forwarding, which adds those the chosen engine has."""
 
-    def __init__(self, engine: Any, choice: dict[str, Any], probes: list[dict[str, Any]]) -> None:
-        self._engine = engine
-        self.choice = choice  # {"accel": ..., "precision": ...}: checkpoints keep it, a resume reuses it
+    choice: dict[str, Any]  # {"accel": ..., "precision": ...}: checkpoints keep it, a resume reuses it
+
+    def __init__(self, engine: Engine, choice: dict[str, Any], probes: list[dict[str, Any]]) -> None:
+        super().__init__(engine)
+        self.choice = choice
         self.probes = probes
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
     def describe(self) -> dict[str, Any]:
-        return {**self._engine.describe(), "precision": self.choice["precision"], "auto": self.auto_record()}
+        return {**self.wrapped.describe(), "precision": self.choice["precision"], "auto": self.auto_record()}
 
     def auto_record(self) -> dict[str, Any]:
         return {"choice": self.choice, "probes": self.probes}
+
+
+def auto_engine(engine: Engine, choice: dict[str, Any], probes: list[dict[str, Any]]) -> AutoEngine:
+    """The AutoEngine around `engine`, offering the capabilities `engine` offers."""
+    return forwarding(AutoEngine, engine)(engine, choice, probes)
 
 
 def build(ctx: EngineContext, **settings: Any) -> AutoEngine:
@@ -243,7 +247,7 @@ def _build(ctx: EngineContext, settings: dict[str, Any], names: list[str], by: s
         log.warning("%s: the cached choice accel=%s no longer builds (%s); probing again", by, name, err)
         forget(cache_key(ctx, names, wanted, settings))
         return _build(ctx, settings, names, by)  # probed again: a failing candidate is never chosen
-    return AutoEngine(engine, {**choice, "by": by, "title": engines()[name].TITLE}, probes)
+    return auto_engine(engine, {**choice, "by": by, "title": engines()[name].TITLE}, probes)
 
 
 def _probed(

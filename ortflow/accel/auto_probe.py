@@ -24,6 +24,7 @@ from ortflow.accel.auto_decision import (
     Runoff,
     median_interval,
 )
+from ortflow.accel.catalog import declared
 from ortflow.accel.engine import EngineContext
 from ortflow.errors import OrtflowError
 from ortflow.model import hooks
@@ -90,7 +91,7 @@ def _not_as_it_should(name: str, engine: Any, loss: float) -> str | None:
     (an ORT engine whose steps PyTorch ran instead)."""
     if not math.isfinite(loss):
         return f"its loss was {loss} on the example batch"
-    promised = getattr(catalog.engines()[name], "EXECUTED_BY", None)
+    promised = declared(catalog.engines()[name], "EXECUTED_BY")
     said = engine.describe().get("executed_by")
     if promised is not None and said != promised:
         return f"its steps were executed by {said}, not {promised}"

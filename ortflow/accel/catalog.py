@@ -11,11 +11,24 @@ import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from omegaconf import OmegaConf
 
 from ortflow.errors import ConfigError
 from ortflow.paths import config_dir
+
+# What an engine module may declare besides its builder (ortflow/accel/__init__.py says what each one means): NAME is
+# required, the others optional.
+DECLARATIONS = ("NAME", "Settings", "problems", "TITLE", "SIMPLICITY", "EXECUTED_BY", "RUNS_IN_STEP", "WHY_UNRUN")
+
+
+def declared(module: ModuleType | None, name: str, default: Any = None) -> Any:
+    """Engine module `module`'s declaration `name` (one of DECLARATIONS), or `default` where it declares none (or
+    there is no module): the one place an engine module's optional declarations are looked up."""
+    if name not in DECLARATIONS:
+        raise ValueError(f"{name} is not an engine module's declaration; those are {DECLARATIONS}")
+    return getattr(module, name, default)
 
 
 def modules(search: Sequence[Path] = ()) -> dict[str, ModuleType]:
@@ -40,7 +53,7 @@ def _modules(search: tuple[Path, ...]) -> dict[str, ModuleType]:
                     f"{path}: its _target_ {target} names a module that cannot be imported ({err}); an engine's yaml "
                     "names its builder, e.g. _target_: my_pkg.engine.build (docs/engines.md)."
                 ) from None
-            if hasattr(module, "NAME"):
+            if declared(module, "NAME") is not None:
                 found.setdefault(module.NAME, module)
     return found
 
@@ -49,7 +62,7 @@ def engines(search: Sequence[Path] = ()) -> dict[str, ModuleType]:
     """The engines that train a model themselves (those with a SIMPLICITY: not accel=auto), simplest first; an engine
     of the search path without a SIMPLICITY comes after ortflow's own."""
     found, own = modules(search), modules()
-    training = {name: m for name, m in found.items() if getattr(m, "SIMPLICITY", None) is not None}
+    training = {name: m for name, m in found.items() if declared(m, "SIMPLICITY") is not None}
     ordered = dict(sorted(training.items(), key=lambda item: item[1].SIMPLICITY))
     return ordered | {name: m for name, m in found.items() if name not in ordered and name not in own}
 
@@ -57,4 +70,4 @@ def engines(search: Sequence[Path] = ()) -> dict[str, ModuleType]:
 def runs_in_step(search: Sequence[Path] = ()) -> dict[str, frozenset]:
     """What each training engine runs of a model's step as eager does (its RUNS_IN_STEP: ortflow/model/hooks.py's
     kinds of hooks and state updates), simplest engine first: what a refusal names as the engines that run it."""
-    return {name: getattr(m, "RUNS_IN_STEP", frozenset()) for name, m in engines(search).items()}
+    return {name: declared(m, "RUNS_IN_STEP", frozenset()) for name, m in engines(search).items()}

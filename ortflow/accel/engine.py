@@ -1,10 +1,11 @@
-"""The Engine protocol (everything the loop needs, whichever runtime executes the model), the EngineContext an
-engine is built from, and the loss/eval helpers every engine shares."""
+"""The Engine protocol (everything the loop needs, whichever runtime executes the model), each optional capability
+an engine may offer (a small runtime-checkable protocol the loop, ortflow-check, ortflow-bench and accel=auto test
+with isinstance), the EngineContext an engine is built from, and the loss/eval helpers every engine shares."""
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -82,8 +83,10 @@ class EngineContext:
         return self.layout.flatten(self.example[0])[0].size(0)
 
 
+@runtime_checkable
 class Engine(Protocol):
-    """What the loop talks to. Built-in implementations: accel/none.py, accel/ortmodule.py, accel/artifacts.py."""
+    """What the loop talks to. Built-in implementations: accel/none.py, accel/ortmodule.py, accel/artifacts.py,
+    accel/compile.py. The optional capabilities (CAPABILITIES) are tested with isinstance, never by attribute."""
 
     name: str
 
@@ -94,12 +97,7 @@ class Engine(Protocol):
         weights and the optimizer untouched (the step is not applied); the loop then stops or skips the step."""
         ...
 
-    # Optional, for trainer.accumulate_grad_batches > 1:
-    #   train_micro(micro: list[(inputs, targets)]) -> float: one optimizer step over N micro-batches (the mean loss)
-    # Optional: last_grad_norm: float | None, the global gradient norm of the last step before clipping (NaN/inf: the
-    # step was not applied).
-    # Optional: save_shards(directory: Path) -> None, called on every rank before rank 0 writes a checkpoint: state a
-    # rank keeps for itself (DeepSpeed's ZeRO partitions), which its optimizer_state() then names by folder.
+    # The optional capabilities an engine may add are the protocols below (MicroBatches, GradNorm, Shards, ...).
 
     def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
         """Loss and metric sums on one batch (Loss.sums), in eval mode, without touching the parameters."""
@@ -123,6 +121,150 @@ class Engine(Protocol):
     def describe(self) -> dict[str, Any]:
         """What really executed so far (runtime, counts of ORT runs, fallbacks) for logs and metadata."""
         ...
+
+
+@runtime_checkable
+class MicroBatches(Protocol):
+    """Gradient accumulation (trainer.accumulate_grad_batches > 1: the loop refuses an engine without it)."""
+
+    def train_micro(self, micro: Sequence[tuple[Inputs, torch.Tensor]]) -> float:
+        """One optimizer step over the micro-batches; returns their mean loss (train_step's guard applies)."""
+        ...
+
+
+@runtime_checkable
+class GradNorm(Protocol):
+    """The global gradient norm of the last step before clipping, or None (NaN/inf: the step was not applied); the
+    loop logs it and its non-finite guard reads it."""
+
+    last_grad_norm: float | None
+
+
+@runtime_checkable
+class Shards(Protocol):
+    """State a rank keeps for itself (DeepSpeed's ZeRO partitions), which its optimizer_state() names by folder."""
+
+    def save_shards(self, directory: Path) -> None:
+        """Called on every rank before rank 0 writes a checkpoint."""
+        ...
+
+
+@runtime_checkable
+class Chosen(Protocol):
+    """An engine that chose another to train with (accel=auto, trainer.precision=auto): its choice, which the run
+    header, run.json and every checkpoint record ({"accel", "precision", "by", "title", ...})."""
+
+    choice: dict[str, Any]
+
+
+@runtime_checkable
+class Wraps(Protocol):
+    """An engine whose optimizer half is another engine (ORTModule's: the eager engine around ORTModule), which
+    ortflow-check reads the model and the optimizer of."""
+
+    inner: Any
+
+
+@runtime_checkable
+class UserModel(Protocol):
+    """An engine that keeps the user's torch model (the owner of the state_dict names) as `model`: ortflow-check reads
+    which parameters train, and which names are buffers, from it."""
+
+    model: nn.Module
+
+
+@runtime_checkable
+class TorchStepped(UserModel, Protocol):
+    """An engine stepped by an optimizer on the user's model (eager, compile, ORTModule's inner: torch.optim):
+    ortflow-check reads the first step's gradients from the parameters when `optimizer` is torch's."""
+
+    optimizer: Any
+
+
+@runtime_checkable
+class OrtState(Protocol):
+    """The artifacts engine's side of ORT training: its CheckpointState (`state.parameters[name].grad`), the graph
+    names of the trainable parameters, and the optimizer ortflow-check wraps to read the gradients before a step."""
+
+    state: Any
+    trainable: Sequence[str]
+    optimizer: Any
+
+
+# The capabilities a wrapping engine (accel=auto's AutoEngine, ortflow-bench's Timed) forwards exactly where the
+# engine it wraps has them (`forwarding`).
+CAPABILITIES: tuple[type, ...] = (MicroBatches, GradNorm, Shards, Chosen, Wraps, UserModel, TorchStepped, OrtState)
+
+
+def _members(capability: type) -> list[str]:
+    """A capability protocol's members (its own and those it extends): its annotated attributes and its methods."""
+    names = [n for k in capability.__mro__ for n in (*vars(k).get("__annotations__", {}), *vars(k))]
+    return list(dict.fromkeys(n for n in names if not n.startswith("_")))
+
+
+def _forwarded(name: str) -> property:
+    def read(self: "Wrapper") -> Any:
+        return getattr(self.wrapped, name)
+
+    def write(self: "Wrapper", value: Any) -> None:
+        setattr(self.wrapped, name, value)
+
+    return property(read, write, doc=f"the wrapped engine's {name}")
+
+
+class Wrapper:
+    """An engine around another one: the required methods go to `wrapped`; the optional capabilities are there
+    exactly when the wrapped engine has them (build one with `forwarding`), none found by `__getattr__`."""
+
+    def __init__(self, wrapped: Engine) -> None:
+        self.wrapped = wrapped
+
+    @property
+    def name(self) -> str:
+        return self.wrapped.name
+
+    def train_step(self, inputs: Inputs, targets: torch.Tensor) -> float:
+        return self.wrapped.train_step(inputs, targets)
+
+    def eval_step(self, inputs: Inputs, targets: torch.Tensor) -> EvalResult:
+        return self.wrapped.eval_step(inputs, targets)
+
+    def set_lr(self, lr: float) -> None:
+        self.wrapped.set_lr(lr)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.wrapped.model_state_dict()
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.wrapped.optimizer_state()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> bool:
+        return self.wrapped.load_optimizer_state(state)
+
+    def describe(self) -> dict[str, Any]:
+        return self.wrapped.describe()
+
+
+W = TypeVar("W", bound=Wrapper)
+
+
+def _defines(wrapper: type, name: str) -> bool:
+    """Whether `wrapper` has `name` of its own: a class attribute or one annotated on the class (set in __init__)."""
+    return any(name in vars(k) or name in vars(k).get("__annotations__", {}) for k in wrapper.__mro__)
+
+
+def forwarding(wrapper: type[W], engine: Engine) -> type[W]:
+    """`wrapper` (a Wrapper subclass), extended by the capabilities `engine` has that `wrapper` does not define itself,
+    each member forwarded to the wrapped engine: what isinstance finds on it is what the engine offers."""
+    members: dict[str, Any] = {}
+    for capability in CAPABILITIES:
+        if isinstance(engine, capability):
+            for name in _members(capability):
+                if not _defines(wrapper, name):
+                    members.setdefault(name, _forwarded(name))
+    if not members:
+        return wrapper
+    return type(wrapper.__name__, (wrapper,), {**members, "__qualname__": wrapper.__qualname__})
 
 
 def pad_batch(

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ortflow.accel.compat import ort
-from ortflow.accel.engine import Engine
+from ortflow.accel.engine import Engine, Wrapper, forwarding
 from ortflow.bench.start import start_measurement
 from ortflow.report import profile as profiling
 from ortflow.report.logger import RunLogger
@@ -26,26 +26,30 @@ PAIRS = 2  # timed passes of a bare loop and of ortflow's loop, alternated: samp
 PROFILE_MAX_STEPS = 50  # profiled steps at most: ORT's trace holds every node's every run
 
 
-class Timed:
-    """Engine proxy that adds up the time spent inside the engine's train and eval steps."""
+class Timed(Wrapper):
+    """Engine proxy that adds up the time spent inside the engine's train and eval steps; its other capabilities are
+    the engine's (`timed`)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine, self.train_s, self.eval_s = engine, 0.0, 0.0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
+        super().__init__(engine)
+        self.train_s, self.eval_s = 0.0, 0.0
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         start = time.perf_counter()
-        loss = self.engine.train_step(inputs, targets)
+        loss = self.wrapped.train_step(inputs, targets)
         self.train_s += time.perf_counter() - start
         return loss
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> EvalResult:
         start = time.perf_counter()
-        result = self.engine.eval_step(inputs, targets)
+        result = self.wrapped.eval_step(inputs, targets)
         self.eval_s += time.perf_counter() - start
         return result
+
+
+def timed_engine(engine: Engine) -> Timed:
+    """`engine` timed, offering the capabilities it offers (train_micro, last_grad_norm, ...)."""
+    return forwarding(Timed, engine)(engine)
 
 
 def _counters(engine: Engine) -> dict[str, Any]:
@@ -71,7 +75,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         for x, y in timed:
             engine.train_step(x, y)
         bare.append(time.perf_counter() - start)
-        proxy, logger = Timed(engine), RunLogger(run_dir, cfg.logger, steps)
+        proxy, logger = timed_engine(engine), RunLogger(run_dir, cfg.logger, steps)
         start = time.perf_counter()
         Loop(proxy, Feed(iter(timed), data.val), LoopSettings(trainer, cfg.optim, cfg.scheduler), logger).run()
         loop_s = time.perf_counter() - start - proxy.eval_s

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ortflow.accel.engine import OrtState, TorchStepped, UserModel, Wraps
+
 
 @dataclass
 class StepOne:
@@ -53,8 +55,10 @@ class _ReadBeforeStep:
 
 def _torch_model(engine: Any) -> tuple[nn.Module, Any] | None:
     """The user's model and the torch optimizer of an engine stepped by torch.optim (eager, ORTModule's inner)."""
-    inner = getattr(engine, "inner", engine)
-    model, optimizer = getattr(inner, "model", None), getattr(inner, "optimizer", None)
+    inner = engine.inner if isinstance(engine, Wraps) else engine
+    if not isinstance(inner, TorchStepped):
+        return None
+    model, optimizer = inner.model, inner.optimizer
     if isinstance(model, nn.Module) and isinstance(optimizer, torch.optim.Optimizer):
         return model, optimizer
     return None
@@ -81,7 +85,7 @@ def step_one(engine: Any, step: Callable[[], float]) -> tuple[float, StepOne]:
             if p.requires_grad
         ]
         restore = lambda: [h.remove() for h in handles]  # noqa: E731
-    elif hasattr(engine, "state") and hasattr(engine, "trainable") and hasattr(engine, "optimizer"):
+    elif isinstance(engine, OrtState):
         prefix = "model."  # the artifacts engine's graph names: the user's model under `.model`
         optimizer = engine.optimizer
 
@@ -105,7 +109,8 @@ def step_one(engine: Any, step: Callable[[], float]) -> tuple[float, StepOne]:
 
 
 def _model(engine: Any) -> nn.Module | None:
-    model = getattr(getattr(engine, "inner", engine), "model", None)
+    inner = engine.inner if isinstance(engine, Wraps) else engine
+    model = inner.model if isinstance(inner, UserModel) else None
     return model if isinstance(model, nn.Module) else None
 
 

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ortflow import accel
+from ortflow.accel.catalog import declared
 from ortflow.api import register_configs
 from ortflow.check import capture, parity
 from ortflow.config import AUTO, BF16, FP32
@@ -134,7 +135,7 @@ def try_mode(
 def _executed_by(mode: str, overrides: list[str]) -> str | None:
     """What engine `mode` says executed its steps when it ran as it should (its module's EXECUTED_BY; None: an
     engine of the search path that does not say, whose row is judged by its losses alone)."""
-    return getattr(accel.engines(search_dirs(overrides)).get(mode), "EXECUTED_BY", None)
+    return declared(accel.engines(search_dirs(overrides)).get(mode), "EXECUTED_BY")
 
 
 def precisions_of(cfg: DictConfig, overrides: list[str], asked: tuple[str, ...] | None) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ortflow.accel.engine import Engine
+from ortflow.accel.engine import Chosen, Engine, Shards
 from ortflow.data.resumable import ResumableBatches
 from ortflow.distributed import World
 from ortflow.errors import CheckpointError, RunDirError
@@ -312,8 +312,8 @@ class RunDir:
         """The loop's checkpoint callback: the run's full state to checkpoints/step-NNNNNNNN.pt (rank 0 only; the
         other ranks hold the same state), pruned to the newest `keep`. Returns the checkpoint's path."""
         path = checkpoint.step_path(self.checkpoints, state.step)
-        if (save_shards := getattr(self._engine, "save_shards", None)) is not None:
-            save_shards(checkpoint.shards_path(path))  # on every rank: the state each keeps for itself, if any
+        if isinstance(self._engine, Shards):  # on every rank: the state each keeps for itself
+            self._engine.save_shards(checkpoint.shards_path(path))
         if not self.writes:
             return str(path)
         assert self._engine is not None and self._batches is not None, "save() before start()"
@@ -334,7 +334,8 @@ class RunDir:
                 "loop": dataclasses.asdict(state),
                 "config": self.config,
                 "data_identity": self.data_identity,
-                "engine_choice": getattr(self._engine, "choice", None),  # accel=auto's: a resume keeps it
+                # accel=auto's: a resume keeps it
+                "engine_choice": self._engine.choice if isinstance(self._engine, Chosen) else None,
             }
         )
         checkpoint.write_atomic(payload, path)

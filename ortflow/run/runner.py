@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ortflow import accel, allocator, distributed, machine
-from ortflow.accel.engine import Engine, EngineContext
+from ortflow.accel.catalog import declared
+from ortflow.accel.engine import Chosen, Engine, EngineContext
 from ortflow.config import AUTO, FP32
 from ortflow.data import Data
 from ortflow.data.resumable import ResumableBatches
@@ -222,8 +223,8 @@ def header(cfg: DictConfig, overrides: list[str], model: nn.Module, engine: Engi
     if count.trainable != count.total:
         size += f", {_size(count.trainable)} trainable"
     target = str(cfg.model.get("_target_", type(model).__name__)).rsplit(".", 1)[-1]
-    choice = getattr(engine, "choice", None)  # accel=auto's
-    title = choice["title"] if choice else getattr(accel.engine_module(cfg.accel), "TITLE", engine.name)
+    choice = engine.choice if isinstance(engine, Chosen) else None  # accel=auto's
+    title = choice["title"] if choice else declared(accel.engine_module(cfg.accel), "TITLE", engine.name)
     mode = f"accel=auto -> {engine.name}" if choice and choice["by"] == "accel=auto" else f"accel={engine.name}"
     steps = f"steps {start + 1}-{cfg.trainer.max_steps}" if start else f"{cfg.trainer.max_steps} steps"
     precision = engine_precision(cfg, engine)
@@ -234,7 +235,7 @@ def header(cfg: DictConfig, overrides: list[str], model: nn.Module, engine: Engi
 
 def engine_precision(cfg: DictConfig, engine: Engine) -> str:
     """The precision the engine trains in: accel=auto's choice, else trainer.precision (auto resolved by the CPU)."""
-    choice = getattr(engine, "choice", None)
+    choice = engine.choice if isinstance(engine, Chosen) else None
     return choice["precision"] if choice else machine.resolve_precision(cfg.trainer.precision)
 
 

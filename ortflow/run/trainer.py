@@ -9,11 +9,11 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from ortflow.accel.engine import Engine
+from ortflow.accel.engine import Engine, GradNorm, MicroBatches
 from ortflow.config import OnNonFinite, OptimConfig, SchedulerConfig, StopMode, TrainerConfig
 from ortflow.errors import OrtflowError, TrainingDiverged
 from ortflow.report.logger import RunLogger
@@ -243,7 +243,7 @@ class Loop:
         self.state = state or LoopState()
         trainer = self.settings.trainer
         micro = trainer.accumulate_grad_batches
-        if micro > 1 and not hasattr(self.engine, "train_micro"):
+        if micro > 1 and not isinstance(self.engine, MicroBatches):
             raise OrtflowError(
                 f"trainer.accumulate_grad_batches={micro}: the engine {self.engine.name} cannot accumulate gradients "
                 "(it has no train_micro); set trainer.accumulate_grad_batches=1 or raise data.batch_size instead."
@@ -281,10 +281,10 @@ class Loop:
         # After the batches: a fresh loader iterator (a resumed run's first step) may draw from torch's generator.
         seed_step(self.settings.seed, step, self.ranks.rank)
         start = time.perf_counter()
-        loss = engine.train_step(*micro[0]) if count == 1 else engine.train_micro(micro)
+        loss = engine.train_step(*micro[0]) if count == 1 else cast(MicroBatches, engine).train_micro(micro)
         elapsed = time.perf_counter() - start
         # An engine applies no update whose loss or gradient norm is not finite (Engine.train_step).
-        grad_norm = getattr(engine, "last_grad_norm", None)
+        grad_norm = engine.last_grad_norm if isinstance(engine, GradNorm) else None
         state.step = step
         if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
             state.skipped_in_a_row = 0
