@@ -207,8 +207,30 @@ class ArtifactsEngine:
     name = NAME
 
     def __init__(self, ctx: EngineContext, settings: Settings) -> None:
-        """ctx.model's current weights become the initial weights; ctx.example's shape is the one ORT trains on."""
+        """ctx.model's current weights become the initial weights; ctx.example's shape is the one ORT trains on.
+
+        The build, step by step: `_plan` (where each part of the step runs; what the engine refuses), `_find_norms`
+        (BatchNorm's running statistics), `_prepare_forward` (the model exported and rewritten: the forward graph),
+        `_generate` (ORT's training, eval and optimizer graphs and checkpoint), `_session_settings`, `_open` (the
+        sessions and the optimizer)."""
         versions.prepare()
+        example_inputs = self._plan(ctx, settings)
+        self._find_norms(example_inputs)
+        forward = self._prepare_forward(ctx, settings, example_inputs)
+        self._generate(forward, ctx.optim, ctx.grad_clip)
+        self._session_settings(ctx, settings)
+        loading = _cannot_train("load its training and eval graphs", model=self.model, plan=self.plan)
+        with terminal.native_stderr("onnxruntime"), loading:
+            self._open(self.onnx_dir / "checkpoint", ctx.optim.lr)
+        self.last_grad_norm: float | None = None
+        self.steps = 0
+        self.evals = 0
+        tensors = len(dict(self.model.named_parameters()))
+        log.info("artifacts in %s; ORT trains %d parameter tensors", self.onnx_dir, tensors)
+
+    def _plan(self, ctx: EngineContext, settings: Settings) -> tuple[torch.Tensor, ...]:
+        """The graph plan (accel/graph/plan.py) and the engine's refusals of what it cannot train (unsupported
+        BatchNorms, hooks and state updates, custom autograd Functions); returns the example's input tensors."""
         import onnxruntime
 
         onnxruntime.set_default_logger_severity(3)  # ORT's graph-transformer chatter is INFO; keep errors only
@@ -229,13 +251,22 @@ class ArtifactsEngine:
                 "those and silently ignore the Function's own backward. Use accel=ortmodule (it runs such Functions "
                 "through torch, backward included) or accel=none."
             )
-        example_inputs = self.layout.flatten(ctx.example[0])
-        # BatchNorm running statistics: ORT writes each batch's statistics into its state's tensors, ortflow applies
-        # torch's update to the torch buffers after every training forward (accel/graph/batchnorm.py); on the plan's
-        # ORT path ORT's kernel keeps them inside the graph, and the torch buffers follow ORT's state.
+        return self.layout.flatten(ctx.example[0])
+
+    def _find_norms(self, example_inputs: tuple[torch.Tensor, ...]) -> None:
+        """BatchNorm running statistics: ORT writes each batch's statistics into its state's tensors, ortflow applies
+        torch's update to the torch buffers after every training forward (accel/graph/batchnorm.py); on the plan's
+        ORT path ORT's kernel keeps them inside the graph, and the torch buffers follow ORT's state."""
+        model = self.model
         self.norms = batchnorm.BatchNorms.find(model, lambda: self.layout.call(model, example_inputs), NAME)
         self.statistics_by_ort = self.plan.path(batchnorm.NAME) is graph_plan.Path.ort
         self.batch_statistics = batchnorm.BatchStatistics.of(model)
+
+    def _prepare_forward(
+        self, ctx: EngineContext, settings: Settings, example_inputs: tuple[torch.Tensor, ...]
+    ) -> onnx.ModelProto:
+        """The forward graph ORT builds the training graph from (`_export`), and what its rewrites leave the engine:
+        the graph fixes, the dropout masks fed as inputs, torch's kernels inside ORT, the first-step check."""
         # With accumulation the exported loss is divided by the micro-batch count (ORT adds the gradients up).
         # The loss by torch (accel.aten_cross_entropy): the loss is exported too, its SoftmaxCrossEntropyLoss torch's.
         by_torch = self.plan.by_torch(aten_cross_entropy.NAME)
@@ -249,25 +280,22 @@ class ArtifactsEngine:
         pipeline.register_gradients(work)
         self.sampler = MaskSampler(self.masks)
         self.eval_masks = [np.ones(m.shape, m.dtype) for m in self.masks]  # evaluation keeps every unit
-        self._generate(forward, ctx.optim, ctx.grad_clip)
+        return forward
+
+    def _session_settings(self, ctx: EngineContext, settings: Settings) -> None:
+        """The optimizer's kind, ORT's session options and threads, and the graph names of the trainable parameters."""
         # AdamW by torch's fused kernel over ORT's buffers (optim.fused); else ORT's optimizer graph
         self.optim, self.grad_clip = ctx.optim, ctx.grad_clip
         self.fused_adamw = ctx.optim.name == OptimName.adamw and ctx.optim.fused
+        import onnxruntime
+
         self.options = onnxruntime.SessionOptions()
         self.options.log_severity_level = 3  # errors only: ORT logs every graph transformer it applies at INFO
         # Torch's kernels run inside ORT's graphs with ATen nodes: idle ORT threads must not spin against them.
         self.intra_op_threads = settings.intra_op_threads
         self.allow_spinning = settings.allow_spinning and not self.aten_nodes
         ort.apply_session_settings(self.options, self.intra_op_threads, self.allow_spinning)
-        params = dict(model.named_parameters())
-        self.trainable = [_PREFIX + n for n, p in params.items() if p.requires_grad]
-        loading = _cannot_train("load its training and eval graphs", model=model, plan=self.plan)
-        with terminal.native_stderr("onnxruntime"), loading:
-            self._open(self.onnx_dir / "checkpoint", ctx.optim.lr)
-        self.last_grad_norm: float | None = None
-        self.steps = 0
-        self.evals = 0
-        log.info("artifacts in %s; ORT trains %d parameter tensors", self.onnx_dir, len(params))
+        self.trainable = [_PREFIX + n for n, p in self.model.named_parameters() if p.requires_grad]
 
     def _export(
         self, ctx: EngineContext, opset: int, example_inputs: tuple[torch.Tensor, ...]

@@ -135,6 +135,29 @@ class ORTModuleEngine:
         self.session = ortmodule_patches.SessionSettings(settings.intra_op_threads, spinning, self.plan)
         self.runs = ortmodule_patches.OrtRunCounter()  # this engine's own ORT runs: the proof that ORT executed
         self.graph_fixes: dict[str, int] = {}  # ortflow's fixes applied to the exported graphs
+        self.module = self._ortmodule(ctx, settings)
+        if self.masks:
+            self.graph_fixes["dropout_to_mask_inputs"] = len(self.masks)
+        self.sampler = MaskSampler(self.masks)
+        self.eval_masks = tuple(torch.ones(m.shape, dtype=getattr(torch, m.dtype.name)) for m in self.masks)
+        self.loss, self.layout = ctx.loss, ctx.layout
+        self.user_model = ctx.model  # failures name its modules
+        self.inner = self._eager_half(ctx)
+        self.batch_size = ctx.batch_size  # the shape ORT's graphs are exported for
+        self.bf16 = ctx.precision == BF16
+        self.called: set[str] = set()  # the modes ("train", "eval") already run once
+        self.ort_steps = 0
+        self.torch_steps = 0
+        # Not beside DeepSpeed's engine (it owns the backward and the gradients' partitions), nor where PyTorch may run
+        # the step (accel.fallback=warn)
+        self.check = first_step.Pending(settings.verify and ctx.steps is TorchSteps and self.fallback == Fallback.fail)
+        self.alone = ctx.reduce_loss is None  # one process: the first step's gradients are this batch's own
+        self.ort_evals = 0
+        self.torch_evals = 0
+
+    def _ortmodule(self, ctx: EngineContext, settings: Settings) -> nn.Module:
+        """The model and its loss (WithLoss) under ORTModule, its dropouts fed as mask inputs where the plan says so;
+        finds the BatchNorms whose running statistics ortflow keeps (self.norms) and the fed masks (self.masks)."""
         ortmodule_patches.patch_ortmodule(ortmodule_export.HOOKS)
         with ortmodule_patches.ortmodule_construction(
             fallback_allowed=settings.fallback == Fallback.warn, opset=settings.opset
@@ -157,13 +180,11 @@ class ORTModuleEngine:
                 fp32_attention = self.plan.by_torch(aten_gemm.NAME)
                 with_loss, self.masks = fed_dropout.wrap(with_loss, example, keep_flags, fp32_attention)
                 self.fp32_attention = fp32_attention
-            self.module = ORTModule(with_loss, debug_options(ctx.debug, ctx.onnx_dir))
-        if self.masks:
-            self.graph_fixes["dropout_to_mask_inputs"] = len(self.masks)
-        self.sampler = MaskSampler(self.masks)
-        self.eval_masks = tuple(torch.ones(m.shape, dtype=getattr(torch, m.dtype.name)) for m in self.masks)
-        self.loss, self.layout = ctx.loss, ctx.layout
-        self.user_model = ctx.model  # failures name its modules
+            return ORTModule(with_loss, debug_options(ctx.debug, ctx.onnx_dir))
+
+    def _eager_half(self, ctx: EngineContext) -> EagerEngine:
+        """The eager engine that steps ORTModule's module with torch.optim (ctx's wrappers around it; BatchNorms'
+        running statistics kept after each forward)."""
         # The inner engine gets the padded, flattened input tensors (positional), then the dropout masks.
         flat = Layout(ctx.layout.count + len(self.masks))
         trained: nn.Module = self.module
@@ -172,20 +193,9 @@ class ORTModuleEngine:
             if self.plan.path(batchnorm.NAME) is graph_plan.Path.ort:
                 kept_by = batchnorm.CountedAfterForward
             trained = kept_by(self.module, self.norms, lambda: self.runs.forward)
-        self.inner = EagerEngine(
+        return EagerEngine(
             ctx.wrap(trained), ctx.model, ctx.loss, flat, ctx.optim, ctx.grad_clip, ctx.reduce_loss, ctx.steps
         )
-        self.batch_size = ctx.batch_size  # the shape ORT's graphs are exported for
-        self.bf16 = ctx.precision == BF16
-        self.called: set[str] = set()  # the modes ("train", "eval") already run once
-        self.ort_steps = 0
-        self.torch_steps = 0
-        # Not beside DeepSpeed's engine (it owns the backward and the gradients' partitions), nor where PyTorch may run
-        # the step (accel.fallback=warn)
-        self.check = first_step.Pending(settings.verify and ctx.steps is TorchSteps and self.fallback == Fallback.fail)
-        self.alone = ctx.reduce_loss is None  # one process: the first step's gradients are this batch's own
-        self.ort_evals = 0
-        self.torch_evals = 0
 
     def _run(self, step, inputs: torch.Tensor, targets: torch.Tensor, mode: str):
         """Call `step` in this engine's ORT scope, turning ORTModule's "cannot run this model" exceptions into a
