@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import json
 import logging
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -43,7 +44,6 @@ from ortflow.accel import catalog
 from ortflow.accel.auto_cache import cache_key, forget, read_cache, write_cache
 from ortflow.accel.auto_decision import Probe, Runoff, choose, measured, table
 from ortflow.accel.auto_probe import probe_one, rng_state, runoff, set_rng_state, settings_for, warm_up
-from ortflow.accel.catalog import declared
 from ortflow.accel.engine import Engine, EngineContext, Wrapper, forwarding
 from ortflow.config import AUTO, BF16, FP32
 from ortflow.errors import ConfigError, OrtflowError
@@ -126,13 +126,17 @@ def problems(cfg: DictConfig) -> list[str]:
 
 
 def _problems_of(cfg: DictConfig, name: str) -> list[str]:
-    check = declared(engines()[name], "problems")
-    return list(check(cfg)) if check is not None else []
+    return catalog.refusals(cfg)(name)
 
 
 def candidates(cfg: DictConfig) -> list[str]:
     """The candidate engines that can run this config (their own checks pass)."""
-    return [name for name in cfg.accel.candidates if name in engines() and not _problems_of(cfg, name)]
+    return runnable(list(cfg.accel.candidates), catalog.refusals(cfg))
+
+
+def runnable(names: list[str], refusals: Callable[[str], list[str]]) -> list[str]:
+    """The engines of `names` that are engines and that `refusals` (engine name -> its reasons) does not rule out."""
+    return [name for name in names if name in engines() and not refusals(name)]
 
 
 def precisions(requested: str) -> list[str]:
@@ -177,10 +181,10 @@ def decide(
 
 def run_length(ctx: EngineContext) -> int | None:
     """The steps the run will train (trainer.max_steps; micro-batches count as one step each), for weighing one-time
-    costs; None without a config."""
-    if ctx.config is None:
+    costs; None where the context does not say."""
+    if ctx.max_steps is None:
         return None
-    return int(ctx.config.trainer.max_steps) * max(ctx.accumulate, 1)
+    return int(ctx.max_steps) * max(ctx.accumulate, 1)
 
 
 class AutoEngine(Wrapper):
@@ -210,7 +214,8 @@ def auto_engine(engine: Engine, choice: dict[str, Any], probes: list[dict[str, A
 
 def build(ctx: EngineContext, **settings: Any) -> AutoEngine:
     """`accel=auto`: the fastest candidate engine (in each precision trainer.precision allows), measured."""
-    names = candidates(ctx.config) if ctx.config is not None else list(settings["candidates"])
+    asked = list(settings["candidates"])
+    names = runnable(asked, ctx.refusals) if ctx.refusals is not None else asked
     return _build(ctx, settings, names, "accel=auto")
 
 
@@ -223,7 +228,7 @@ def with_precision_probe(name: str, ctx: EngineContext, settings: dict[str, Any]
 
 
 def _build(ctx: EngineContext, settings: dict[str, Any], names: list[str], by: str) -> AutoEngine:
-    wanted = precisions(ctx.config.trainer.precision if ctx.config is not None else ctx.precision)
+    wanted = precisions(ctx.precision)  # trainer.precision: auto probes bf16-mixed too
     probes: list[dict[str, Any]] = []
     resumable = engines() if by == "accel=auto" else names  # accel=auto keeps whichever engine it chose before
     if ctx.resumed_choice and ctx.resumed_choice.get("accel") in resumable:

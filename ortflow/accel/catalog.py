@@ -8,12 +8,12 @@ refusal) reaches it through its EngineContext, and accel=auto, which probes the 
 
 import functools
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from ortflow.errors import ConfigError
 from ortflow.paths import config_dir
@@ -65,6 +65,17 @@ def engines(search: Sequence[Path] = ()) -> dict[str, ModuleType]:
     training = {name: m for name, m in found.items() if declared(m, "SIMPLICITY") is not None}
     ordered = dict(sorted(training.items(), key=lambda item: item[1].SIMPLICITY))
     return ordered | {name: m for name, m in found.items() if name not in ordered and name not in own}
+
+
+def refusals(cfg: DictConfig) -> Callable[[str], list[str]]:
+    """Engine name -> that engine's own reasons it cannot run `cfg` (its `problems(cfg)`; none without one): what
+    accel=auto rules candidates out by (EngineContext.refusals)."""
+
+    def of(name: str) -> list[str]:
+        check = declared(engines()[name], "problems")
+        return list(check(cfg)) if check is not None else []
+
+    return of
 
 
 def runs_in_step(search: Sequence[Path] = ()) -> dict[str, frozenset]:

@@ -10,7 +10,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 from torch import nn
 
-from ortflow.config import FP32
+from ortflow.config import FP32, DebugConfig, OptimConfig
 from ortflow.errors import OrtflowError
 from ortflow.model import hooks
 from ortflow.step.batch import Inputs, Layout, layout_of, pad_rows
@@ -24,7 +24,8 @@ def _no_wrappers(module: nn.Module) -> nn.Module:
 
 @dataclass
 class EngineContext:
-    """Everything the runner hands an engine builder besides the engine's own settings (conf/accel/<mode>.yaml).
+    """Everything the runner hands an engine builder besides the engine's own settings (conf/accel/<mode>.yaml): the
+    shared training settings an engine needs, typed, never the whole run config.
 
     Attributes:
         model: the user's torch model, with its initial (or resumed) weights.
@@ -43,14 +44,20 @@ class EngineContext:
         precision: FP32 or BF16 (trainer.precision; AUTO reaches only accel.build, which measures or resolves it):
             with BF16 an engine computes matrix multiplies, linear layers and convolutions in bf16 as torch's CPU
             autocast does; weights, optimizer state, normalisation, softmax, losses and reductions stay fp32.
+        max_steps: trainer.max_steps, the steps the run trains (accel=auto weighs one-time costs, the export and the
+            sessions, against it); None: unknown.
+        refusals: each engine's own reasons it cannot run this run's config, by engine name (its `problems(cfg)`,
+            catalog.refusals): accel=auto probes only the candidates with none. The one thing that still reads the
+            run config, as a function over it: an engine's check reads any of it (the optimizer, debug options,
+            distributed wrappers). None: no candidate is ruled out (a context built without a run config).
     """
 
     model: nn.Module
     example: tuple[Inputs, torch.Tensor]
-    optim: Any
+    optim: OptimConfig
     loss: Loss = field(default_factory=CrossEntropy)
     grad_clip: float | None = None
-    debug: Any = None
+    debug: DebugConfig | None = None
     onnx_dir: Path = field(default_factory=lambda: Path("onnx"))
     wrap: Callable[[nn.Module], nn.Module] = _no_wrappers
     reduce_loss: Callable[[float], float] | None = None
@@ -59,7 +66,8 @@ class EngineContext:
     # engine that takes module and optimizer together (distributed=deepspeed: ortflow/step/deepspeed.py).
     steps: StepsFactory = TorchSteps
     precision: str = FP32
-    config: Any = None  # the whole run config (accel=auto reads the other engines' checks from it)
+    max_steps: int | None = None
+    refusals: Callable[[str], list[str]] | None = None
     resumed_choice: dict[str, Any] | None = None  # accel=auto's choice recorded in the checkpoint being resumed
     # What each engine the config tree offers runs of a model's step as eager does (accel/catalog.py: runs_in_step),
     # so that a refusal names the engines that run what it refuses; accel.build fills it.

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ortflow import accel, allocator, distributed, machine
+from ortflow.accel import catalog
 from ortflow.accel.catalog import declared
 from ortflow.accel.engine import Chosen, Engine, EngineContext
 from ortflow.config import AUTO, FP32
@@ -176,7 +177,8 @@ def engine_context(
         reduce_loss=distributed.mean_across_ranks if world.size > 1 else None,
         accumulate=cfg.trainer.accumulate_grad_batches,
         precision=cfg.trainer.precision,  # auto: resolved by the engine's build (accel.build)
-        config=cfg,
+        max_steps=cfg.trainer.max_steps,
+        refusals=catalog.refusals(cfg),  # accel=auto rules out the candidates that cannot run this config
         resumed_choice=resumed_choice,
     )
     if "deepspeed" in cfg.distributed.wrappers and world.size > 1:  # DeepSpeed takes the module and the optimizer
