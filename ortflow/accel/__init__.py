@@ -1,9 +1,11 @@
 """Accel modes as plugins: `conf/accel/<mode>.yaml` names its engine builder with `_target_`, and the module that
 builder lives in is the whole engine.
 
-An engine module provides:
+An engine module provides (catalog.DECLARATIONS; the optional ones read through catalog.declared):
     NAME      the mode's name (recorded in run.json and checkpoints),
-    build     `build(ctx: EngineContext, **settings) -> Engine`, where settings are the yaml's other keys,
+    build     `build(ctx: EngineContext, **settings) -> Engine`, where settings are the yaml's other keys; the
+              engine has the Engine protocol's methods and whichever optional capabilities it offers
+              (accel/engine.py: MicroBatches, GradNorm, Shards, ...; tested with isinstance, never by attribute),
     Settings  (optional) the dataclass schema of those keys, registered as `schema/accel/<NAME>`,
     problems  (optional) `problems(cfg) -> list[str]`: every reason the whole config cannot run on this engine
               (optimizer, debug options, distributed wrappers, ...), each naming the key to change.
@@ -21,7 +23,9 @@ engine is one module plus one yaml file (found through `hydra.searchpath` when i
 in-tree one is listed by accel/catalog.py from its yaml file and needs a line in pyproject.toml's import contracts
 (its layer among the engines, and the contract that no engine imports this registry). An engine module imports
 what it needs from below (accel/engine.py, accel/graph/, accel/compat/, ortflow.model, ...), never `ortflow.accel`
-itself: what it needs of the other engines comes in its EngineContext.
+itself: what it needs of the other engines comes in its EngineContext, which holds no run config (an engine's
+`problems(cfg)` is the one reader of the whole config). The catalog imports the engines by name, accel=auto among
+them, and no engine module reads the catalog at import (tests/accel/test_import_cycle.py).
 """
 
 import dataclasses
