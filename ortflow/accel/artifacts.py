@@ -38,6 +38,7 @@ from ortflow.model import state_dict
 from ortflow.model.probe import buffers_kept, training_forward_probe
 from ortflow.ranges import ranged
 from ortflow.report import terminal
+from ortflow.step import clipping
 from ortflow.step.batch import Inputs, Layout
 from ortflow.step.loss import EvalResult, Loss
 
@@ -177,7 +178,7 @@ class OutputAndLoss(nn.Module):
 def _optimizer_block(optim: OptimConfig, grad_clip: float | None):
     from onnxruntime.training import onnxblock
 
-    clip = onnxblock.optim.ClipGradNorm(grad_clip) if grad_clip is not None else None
+    clip = clipping.ort_clip_block(grad_clip)
     if optim.name == OptimName.adamw:
         return torch_adamw.adamw_block(tuple(optim.betas), optim.eps, optim.weight_decay, clip)  # torch's conventions
     return onnxblock.optim.SGD(clip_grad=clip)

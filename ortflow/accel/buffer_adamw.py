@@ -5,7 +5,8 @@ of a d_model 512 step (12.7M parameters) under ORT's profiler, where torch.optim
 the same update (2-core Intel Xeon). The training API keeps every weight and gradient in its CheckpointState; their
 buffers are shared with torch over DLPack (no copy), so torch's optimizer steps them where ORT reads them on the next
 run. The update is torch.optim.AdamW's, the one eager and ORTModule step with (the ORT graph's adam_mode=0 has the
-same conventions: torch_adamw.py), clipping is eager's (clip_grads_with_norm_ with the norm the engine computed).
+same conventions: torch_adamw.py), clipping is eager's (step/clipping.py: clip_with_norm, with the norm the engine
+computed).
 
 The moments live in torch's optimizer, not in ORT's state: a checkpoint carries them as eager's and ORTModule's
 checkpoints do (torch's state_dict), so a run moves between these engines with its moments. One written by ORT's
@@ -14,11 +15,11 @@ optimizer graph (`optim.fused=false`, or an earlier ortflow) resumes with fresh 
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from ortflow.accel.compat.ort import buffer_view
 from ortflow.config import OptimConfig
+from ortflow.step import clipping
 from ortflow.step.optim import build_torch_optimizer, load_saved_state, saved_state
 
 
@@ -47,8 +48,7 @@ class BufferAdamW:
             param.grad = buffer_view(grad) if grad.has_value() else None
         graded = [p for p in self._params if p.grad is not None]
         try:
-            if self._grad_clip is not None and graded:
-                torch.nn.utils.clip_grads_with_norm_(graded, self._grad_clip, torch.tensor(norm))  # reads each .grad
+            clipping.clip_with_norm(graded, self._grad_clip, norm)
             self.optimizer.step()
         finally:
             for param in self._params:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ortflow.config import OptimConfig
+from ortflow.step import clipping
 from ortflow.step.optim import build_torch_optimizer
 
 ULPS = 64  # an element of the first update this many ulps of its weight from torch's optimizer's result differs
@@ -26,8 +27,7 @@ def replayed(
     params = [torch.nn.Parameter(torch.from_numpy(np.array(before[n], np.float32))) for n in names]
     for p, name in zip(params, names, strict=True):
         p.grad = torch.from_numpy(np.array(gradients[name], np.float32))
-    if grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    clipping.clip(params, grad_clip)
     build_torch_optimizer(params, optim).step()
     return {n: p.detach().numpy() for n, p in zip(names, params, strict=True)}
 

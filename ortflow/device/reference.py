@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ortflow.config import OptimConfig, OptimName
+from ortflow.step import clipping
 from ortflow.step.batch import Inputs, Layout
 from ortflow.step.loss import Loss
 
@@ -127,8 +128,7 @@ def eager_steps(
             losses.append(value.item())
             if step == 1:
                 first.gradients = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
-            if grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            clipping.clip(params, grad_clip)
             _ort_step(params, moments, optim, lr, step)
             for p in params:
                 p.grad = None
@@ -173,7 +173,6 @@ def replayed_update(
     params = [p for _, p in named]
     for name, p in named:
         p.grad = torch.from_numpy(np.asarray(gradients[name], np.float32).reshape(p.shape).copy())
-    if grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    clipping.clip(params, grad_clip)
     _ort_step(params, [[torch.zeros_like(p), torch.zeros_like(p)] for p in params], optim, lr, 1)
     return before, {name: p.numpy() for name, p in named}

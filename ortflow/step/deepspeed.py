@@ -27,8 +27,9 @@ from torch import nn
 from ortflow.config import DistributedConfig, OptimConfig
 from ortflow.errors import CheckpointError, ModelError, OrtflowError
 from ortflow.paths import ortflow_cache
+from ortflow.step.clipping import clip_and_apply
 from ortflow.step.optim import build_torch_optimizer
-from ortflow.step.steps import StepsFactory, clip_and_apply
+from ortflow.step.steps import StepsFactory
 
 FORMAT = "deepspeed"
 _TAG = "zero"  # DeepSpeed's tag inside a checkpoint's shards folder

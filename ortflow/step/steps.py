@@ -4,8 +4,7 @@ distributed=deepspeed hands DeepSpeed's engine the module and the optimizer inst
 An engine takes its steps from `EngineContext.steps`, so a wrapper that owns the optimizer fits without the engine
 or the loop knowing which it is."""
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -13,6 +12,7 @@ import torch
 from torch import nn
 
 from ortflow.config import OptimConfig
+from ortflow.step.clipping import clip_and_apply
 from ortflow.step.optim import build_torch_optimizer, load_saved_state, saved_state
 
 
@@ -51,17 +51,6 @@ class Steps(Protocol):
 
 
 StepsFactory = Callable[[nn.Module, OptimConfig, "float | None"], Steps]
-
-
-def clip_and_apply(parameters: Iterable[nn.Parameter], grad_clip: float | None, apply: Callable[[], Any]) -> float:
-    """torch's global gradient norm of `parameters` (returned, before clipping), the gradients clipped to `grad_clip`
-    (None: not clipped), then `apply()` (the optimizer's step) only where the norm is finite: a step of non-finite
-    gradients applies nothing. With DDP, or DeepSpeed's stage 0, the gradients are all-reduced: every rank agrees."""
-    clip = grad_clip if grad_clip is not None else math.inf
-    norm = float(torch.nn.utils.clip_grad_norm_(parameters, clip))
-    if math.isfinite(norm):
-        apply()
-    return norm
 
 
 class TorchSteps:
