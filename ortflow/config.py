@@ -381,8 +381,22 @@ class ExportConfig:
 
 
 @dataclass
+class MLflowConfig:
+    """logger=[tensorboard,mlflow]: the run in an MLflow tracking store (ortflow/report/mlflow_sink.py)."""
+
+    enabled: bool = False
+    # null: a local store, sqlite:///<cwd>/outputs/mlflow.db (artifacts in outputs/mlartifacts/); any server's URI
+    tracking_uri: str | None = None
+    experiment: str | None = None  # null: the recipe's name (+recipe=NAME), else "ortflow"
+    # false: a missing `mlflow` package or an unusable URI is a warning and the run trains without MLflow
+    required: bool = True
+
+
+@dataclass
 class LoggerConfig:
     tensorboard: bool = True  # write <run dir>/tensorboard/
+    csv: bool = False  # logger=[tensorboard,csv]: every log point to <run dir>/metrics.csv (step,name,value rows)
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
     progress: bool = True  # progress bar on the terminal (a plain line every trainer.log_every steps without one)
     verbose: bool = False  # other libraries' messages (ORT, torch) and ortflow's INFO lines on the terminal too
 

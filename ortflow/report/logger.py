@@ -3,14 +3,16 @@
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ortflow.config import LoggerConfig
 from ortflow.files import json_text
 from ortflow.held_signals import holding
+from ortflow.report.csv_sink import CSVSink
 from ortflow.report.terminal import console
 
 log = logging.getLogger(__name__)
@@ -23,6 +25,17 @@ def _short(value: float) -> str:
 def eval_text(values: dict[str, float]) -> str:
     """`loss 1.602  accuracy 0.7222` from {"eval/loss": ..., "eval/accuracy": ...}."""
     return "  ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in values.items() if k.startswith("eval/"))
+
+
+class Sink(Protocol):
+    """Another place the run's points go (logger.csv's CSVSink, logger.mlflow's MLflowSink): the same scalars at the
+    same steps, the texts TensorBoard gets (the config, the data, the engine)."""
+
+    def scalars(self, step: int, values: dict[str, float]) -> None: ...
+
+    def text(self, tag: str, text: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class RunLogger:
@@ -39,10 +52,12 @@ class RunLogger:
         start_step: int = 0,
         writes: bool = True,
         log_every: int = 10,
+        sinks: Sequence[Sink] = (),
     ) -> None:
         """`start_step`: the step a resumed run continues from. TensorBoard then drops the points an interrupted
         attempt logged after it (they are superseded); metrics.jsonl keeps every line and marks the resume.
-        `writes=False` (ranks other than 0): log lines only, no files and nothing on the terminal."""
+        `writes=False` (ranks other than 0): log lines only, no files and nothing on the terminal. `sinks`: where
+        else the points go (logger.csv's is made here; logger.mlflow's comes open, rank 0's only)."""
         self.points = (run_dir / "metrics.jsonl").open("a") if writes else None
         if writes and start_step:
             self.points.write(json_text({"resumed_from_step": start_step}) + "\n")
@@ -52,6 +67,9 @@ class RunLogger:
 
             purge = start_step + 1 if start_step else None
             self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
+        self.sinks: list[Sink] = list(sinks)
+        if writes and cfg.csv:
+            self.sinks.append(CSVSink(run_dir, start_step))
         self.shows = writes
         self.total, self.start, self.log_every = total_steps, start_step, log_every
         self.latest: dict[str, float] = {}  # the newest value of each scalar, for the bar and the plain lines
@@ -89,6 +107,8 @@ class RunLogger:
         if self.writer is not None:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
+        for sink in self.sinks:
+            sink.scalars(step, values)
         log.info("step %d  %s", step, "  ".join(f"{k}={v:.4g}" for k, v in values.items()))
         self.latest.update(values)
         if self.shows and any(k.startswith("eval/") for k in values):
@@ -121,6 +141,8 @@ class RunLogger:
         if self.writer is not None:
             # TensorBoard renders text as markdown; a code block keeps YAML/JSON indentation.
             self.writer.add_text(tag, f"```\n{text}\n```", 0)
+        for sink in self.sinks:
+            sink.text(tag, text)
 
     @holding
     def hparams(self, params: dict[str, Any], metrics: dict[str, float]) -> None:
@@ -137,3 +159,5 @@ class RunLogger:
             self.progress = None
         if self.writer is not None:
             self.writer.close()
+        for sink in self.sinks:
+            sink.close()

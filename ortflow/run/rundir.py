@@ -31,6 +31,8 @@ STARTING, TRAINING = "starting", "training"  # run.json "stage": before / from t
 RUN_OUTPUTS = (
     "run.json",
     "metrics.jsonl",
+    "metrics.csv",  # logger.csv
+    "mlflow.json",  # logger.mlflow: the run id a resume continues
     "tensorboard",
     "checkpoints",
     "onnx",

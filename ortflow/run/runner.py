@@ -35,8 +35,9 @@ from ortflow.model.batch_dependence import BatchDependence
 from ortflow.model.contract import check_builder_result, check_model
 from ortflow.model.freeze import ParameterCount, freeze
 from ortflow.model.hf import check_vocabulary
-from ortflow.report import terminal
+from ortflow.report import mlflow_sink, terminal
 from ortflow.report.logger import RunLogger
+from ortflow.report.mlflow_sink import MLflowSink
 from ortflow.run import callbacks, checkpoint, export, export_hf, launch, pruning
 from ortflow.run.rundir import RunDir
 from ortflow.run.seeding import seed_everything
@@ -217,9 +218,14 @@ def _size(params: int) -> str:
     return f"{params / 1e6:.2f}M" if params >= 1e5 else f"{params / 1e3:.1f}K"
 
 
+def recipe_name(overrides: list[str]) -> str | None:
+    """NAME of a `+recipe=NAME` override."""
+    return next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("recipe=")), None)
+
+
 def header(cfg: DictConfig, overrides: list[str], model: nn.Module, engine: Engine, run_dir: Path, start: int) -> str:
     """The run's one header line: recipe, model and size, accel mode and what executes it, steps, run dir."""
-    recipe = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("recipe=")), None)
+    recipe = recipe_name(overrides)
     count = ParameterCount.of(model)
     size = _size(count.total) + " parameters"
     if count.trainable != count.total:
@@ -316,6 +322,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     allocator.apply(cfg.trainer.allocator)  # before the first tensor; recorded in run.json's host
     run = RunDir(run_dir, _config_dict(cfg), overrides, cfg.seed, world)
     started = False  # whether anything stop() releases may exist (not after a refused config)
+    tracker: MLflowSink | None = None
     try:
         with interrupt_on_signals():
             validate(cfg)  # the wrapper order included: before any process group starts
@@ -323,8 +330,9 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
             started = True
             world = distributed.start(cfg.distributed)
             run.open(cfg.trainer.resume, cfg.trainer.checkpoint.keep, world)
+            tracker = _tracker(cfg, run, overrides, world)  # before training: a bad URI stops the run here
             try:
-                metrics, results, model, data = _train(cfg, run, overrides, world, user_callbacks)
+                metrics, results, model, data = _train(cfg, run, overrides, world, user_callbacks, tracker)
             except (MemoryError, RuntimeError, OSError) as err:
                 if is_allocation_failure(err):
                     raise OrtflowError(_out_of_memory(cfg, err)) from err
@@ -336,7 +344,12 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
     except BaseException as err:
         status = {Preempted: "preempted", Interrupted: "interrupted", KeyboardInterrupt: "interrupted"}
         with held():  # run.json is never left half-updated by a second Ctrl-C
-            run.finish(status.get(type(err), "failed"), error=f"{type(err).__name__}: {err}")
+            ended = status.get(type(err), "failed")
+            if tracker is not None:
+                run.note(mlflow=tracker.record())
+            run.finish(ended, error=f"{type(err).__name__}: {err}")
+        if tracker is not None:
+            tracker.end(run.path, ended, run.record)
         if isinstance(err, (Preempted, Interrupted)):
             # A clean stop (exit status 0 on preemption): its frames' locals (the engine) are of no use to a
             # traceback, and cleared they let `stop` release the engine before the process group.
@@ -346,7 +359,12 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
         run.release()
         if started:  # the engine's ORT sessions and DDP, then the process group: none left to shutdown
             distributed.stop()
-    run.finish("pruned" if results["ended_by"] == "pruned" else "completed", metrics=metrics, **results)
+    ended = "pruned" if results["ended_by"] == "pruned" else "completed"
+    if tracker is not None:
+        run.note(mlflow=tracker.record())
+    run.finish(ended, metrics=metrics, **results)
+    if tracker is not None:
+        tracker.end(run.path, ended, run.record)
     execution = results["engine"]
     _log_done(metrics, execution["executed_by"], run_dir)
     outcome = {**metrics, "executed_by": execution["executed_by"], "precision": results["precision"]}
@@ -374,8 +392,22 @@ def _log_done(metrics: dict[str, Any], executed_by: str, run_dir: Path) -> None:
     )
 
 
+def _tracker(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> MLflowSink | None:
+    """logger.mlflow's sink (rank 0's: the other ranks log nothing), its run started, or continued on a resume."""
+    if not world.is_main:
+        return None
+    start = int(run.source[1]["step"]) if run.source is not None else 0
+    experiment = recipe_name(overrides) or "ortflow"
+    return mlflow_sink.open_sink(cfg.logger.mlflow, run.path, experiment, start, run.record)
+
+
 def _train(
-    cfg: DictConfig, run: RunDir, overrides: list[str], world: World, user_callbacks: list[callbacks.Callback]
+    cfg: DictConfig,
+    run: RunDir,
+    overrides: list[str],
+    world: World,
+    user_callbacks: list[callbacks.Callback],
+    tracker: MLflowSink | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], nn.Module, Data]:
     """The run, composed: data and model, the engine (a resumed one from its checkpoint), the logger, the loop with
     the run's callbacks and the user's, then what executed, the final weights and the exports."""
@@ -403,7 +435,7 @@ def _train(
     results["machine"] = machine.describe(measure_bf16=precision != FP32)
     if world.is_main and (warning := machine.emulation_warning(precision)):
         log.warning(warning)
-    logger = _logger(cfg, run, overrides, (model, engine, data), state.step if state else 0, world)
+    logger = _logger(cfg, run, overrides, (model, engine, data), state.step if state else 0, world, tracker)
 
     def weights() -> dict[str, torch.Tensor]:
         return checkpoint.share_tied(engine.model_state_dict(), model)
@@ -453,9 +485,16 @@ def _data_and_model(cfg: DictConfig, run: RunDir, world: World) -> tuple[Data, n
 
 
 def _logger(
-    cfg: DictConfig, run: RunDir, overrides: list[str], built: tuple[nn.Module, Engine, Data], start: int, world: World
+    cfg: DictConfig,
+    run: RunDir,
+    overrides: list[str],
+    built: tuple[nn.Module, Engine, Data],
+    start: int,
+    world: World,
+    tracker: MLflowSink | None = None,
 ) -> RunLogger:
-    """The run's logger (TensorBoard, metrics.jsonl, the terminal), its header and the config and data written."""
+    """The run's logger (TensorBoard, metrics.jsonl, the terminal, logger.csv, logger.mlflow's `tracker`), its header
+    and the config and data written."""
     model, engine, data = built
     logger = RunLogger(
         run.path,
@@ -464,6 +503,7 @@ def _logger(
         start_step=start,
         writes=world.is_main,
         log_every=cfg.trainer.log_every,
+        sinks=[tracker] if tracker is not None else [],
     )
     logger.header(header(cfg, overrides, model, engine, run.path, start))
     logger.text("config", OmegaConf.to_yaml(cfg, resolve=True))

@@ -1,5 +1,6 @@
 """A user's callbacks, as docs/training.md shows them: importable by `_target_` from the config."""
 
+import time
 from typing import ClassVar
 
 from ortflow.run.callbacks import Callback
@@ -43,3 +44,14 @@ class StopOnRank(Callback):
 class NotACallback:
     def __init__(self) -> None:
         pass
+
+
+class Paced(Callback):
+    """Sleeps `seconds` after each step: a run of a few hundred steps then lasts long enough to be interrupted (its
+    tracking server killed, the run itself killed) at a step the test chooses, however fast the machine."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step(self, loop, step, loss) -> None:
+        time.sleep(self.seconds)

@@ -1,0 +1,263 @@
+"""logger=[tensorboard,mlflow] (and csv) against a real MLflow tracking server the tests start on loopback: what a run
+sends (params, metrics at TensorBoard's steps, tags, artifacts) read back through MLflow's client; the server killed
+mid-run; kill -9 and trainer.resume=auto continuing the same MLflow run; the errors at start."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ortflow.run import checkpoint
+from tests.conftest import REPO
+from tests.helpers.mlflow_server import MLflowServer
+
+DIGITS = [
+    "+recipe=digits",
+    "trainer.log_every=5",
+    "trainer.eval_every=10",
+    "logger.progress=false",
+]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    started = MLflowServer(tmp_path_factory.mktemp("mlflow"))
+    yield started
+    started.stop()
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ortflow", *args],
+        cwd=cwd,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ortflow", *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600
+    )
+
+
+def points(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """metrics.jsonl's points (what TensorBoard got) by tag, the points superseded by a resume left out."""
+    by_step: dict[tuple[str, int], float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        point = json.loads(line)
+        if "resumed_from_step" in point:
+            by_step = {k: v for k, v in by_step.items() if k[1] <= point["resumed_from_step"]}
+            continue
+        step = point.pop("step")
+        by_step |= {(tag, step): value for tag, value in point.items()}
+    out: dict[str, list[tuple[int, float]]] = {}
+    for (tag, step), value in sorted(by_step.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        out.setdefault(tag, []).append((step, value))
+    return out
+
+
+def history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return max((json.loads(line).get("step", 0) for line in lines if line.endswith("}")), default=0)
+
+
+def wait_for(condition, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def record(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def run_id(run_dir: Path) -> str:
+    return json.loads((run_dir / "mlflow.json").read_text())["run_id"]
+
+
+@pytest.mark.slow
+def test_a_run_sends_params_metrics_tags_and_artifacts(server, tmp_path):
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"],
+        cwd=tmp_path,
+        check=True,
+    )
+    args = [
+        *DIGITS,
+        "logger=[tensorboard,mlflow,csv]",
+        f"logger.mlflow.tracking_uri={server.uri}",
+        "trainer.max_steps=20",
+        "hydra.run.dir=run",
+    ]
+    result = run(args, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir, client = tmp_path / "run", server.client()
+    done = record(run_dir)
+    got = client.get_run(run_id(run_dir))
+    assert got.info.status == "FINISHED"
+    assert client.get_experiment(got.info.experiment_id).name == "digits"  # the recipe's name
+    assert done["mlflow"]["run_id"] == got.info.run_id and "error" not in done["mlflow"]
+    # The resolved config, flattened.
+    assert got.data.params["trainer.max_steps"] == "20"
+    assert got.data.params["optim.lr"] == str(done["config"]["optim"]["lr"])
+    assert got.data.params["model.hidden"] == json.dumps(done["config"]["model"]["hidden"])
+    # The same tags at the same steps as TensorBoard (metrics.jsonl), with the same values.
+    expected = points(run_dir)
+    assert {"train/loss", "eval/loss", "eval/accuracy", "engine/ort_executed"} <= set(expected)
+    assert set(got.data.metrics) == set(expected)
+    for tag, series in expected.items():
+        sent = history(client, got.info.run_id, tag)
+        assert [step for step, _ in sent] == [step for step, _ in series], tag
+        assert [value for _, value in sent] == pytest.approx([value for _, value in series], rel=1e-6), tag
+    # What executed it.
+    tags = got.data.tags
+    assert tags["executed_by"] == done["engine"]["executed_by"] == "pytorch"
+    assert tags["precision"] == done["precision"]
+    assert tags["engine"] == "none"
+    assert tags["torch_version"] == torch.__version__
+    assert tags["git_commit"] == done["git"]["commit"]
+    assert tags["host"] == done["host"]["hostname"]
+    assert tags["ortflow_version"]
+    # run.json (as it ended) and the config as artifacts.
+    from mlflow.artifacts import download_artifacts
+
+    names = {a.path for a in client.list_artifacts(got.info.run_id)}
+    assert {"run.json", "config.yaml"} <= names
+    uploaded = json.loads(
+        Path(
+            download_artifacts(
+                run_id=got.info.run_id, artifact_path="run.json", dst_path=str(tmp_path / "dl"), tracking_uri=server.uri
+            )
+        ).read_text()
+    )
+    assert uploaded["status"] == "completed" and uploaded["metrics"] == done["metrics"]
+    # logger.csv: the same points, one row each.
+    with (run_dir / "metrics.csv").open(newline="") as file:
+        rows = sorted((r["name"], int(r["step"]), float(r["value"])) for r in csv.DictReader(file))
+    assert rows == sorted((tag, step, value) for tag, series in expected.items() for step, value in series)
+
+
+@pytest.mark.slow
+def test_the_server_killed_mid_run_costs_one_warning_and_the_run_completes(tmp_path):
+    server = MLflowServer(tmp_path / "mlflow")
+    try:
+        args = [
+            *DIGITS,
+            "logger=[tensorboard,mlflow]",
+            f"logger.mlflow.tracking_uri={server.uri}",
+            "trainer.max_steps=60",
+            "+callbacks.paced._target_=tests.helpers.callbacks.Paced",
+            "+callbacks.paced.seconds=0.1",
+            "hydra.run.dir=run",
+        ]
+        proc = start(args, tmp_path)
+        run_dir = tmp_path / "run"
+        wait_for(lambda: last_step(run_dir) >= 10)
+        client = server.client()
+        sent = history(client, run_id(run_dir), "train/loss")
+        assert sent, "the server received nothing before it was killed"
+        server.stop(signal.SIGKILL)
+        assert record(run_dir)["status"] == "running", "the run ended before the server was killed"
+        out, err = proc.communicate(timeout=600)
+    finally:
+        server.stop()
+    assert proc.returncode == 0, err[-3000:]
+    warnings = [line for line in (out + err).splitlines() if server.uri in line]
+    assert len(warnings) == 1, warnings
+    done = record(run_dir)
+    assert done["status"] == "completed"
+    assert done["mlflow"]["missed"]["points"] > 0 and server.uri == done["mlflow"]["tracking_uri"]
+    assert [step for step, _ in points(run_dir)["train/loss"]][-1] == 60  # TensorBoard's points: every one
+
+
+@pytest.mark.slow
+def test_kill9_then_resume_continues_the_same_mlflow_run_without_repeating_a_step(server, tmp_path):
+    args = [
+        *DIGITS,
+        "logger=[tensorboard,mlflow]",
+        f"logger.mlflow.tracking_uri={server.uri}",
+        "logger.mlflow.experiment=resume",
+        "trainer.max_steps=60",
+        "trainer.log_every=2",
+        "trainer.checkpoint.every=10",
+        "+callbacks.paced._target_=tests.helpers.callbacks.Paced",
+        "+callbacks.paced.seconds=0.1",
+        "hydra.run.dir=run",
+    ]
+    run_dir, client = tmp_path / "run", server.client()
+    proc = start(args, tmp_path)
+
+    def logged_past_a_checkpoint() -> bool:
+        steps = [step for step, _ in checkpoint.step_checkpoints(run_dir / "checkpoints")]
+        return bool(steps) and last_step(run_dir) >= max(steps) + 4
+
+    wait_for(logged_past_a_checkpoint)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert record(run_dir)["status"] == "running", "the run finished before it could be killed"
+    first = run_id(run_dir)
+    newest = max(step for step, _ in checkpoint.step_checkpoints(run_dir / "checkpoints"))
+    before = [step for step, _ in history(client, first, "train/loss")]
+    assert max(before) > newest  # steps the resumed run takes again were in MLflow already
+
+    result = run([*args, "trainer.resume=auto"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert run_id(run_dir) == first
+    experiment = client.get_experiment_by_name("resume")
+    assert len(client.search_runs([experiment.experiment_id])) == 1
+    got = client.get_run(first)
+    assert got.info.status == "FINISHED"
+    for tag, series in points(run_dir).items():
+        steps = [step for step, _ in history(client, first, tag)]
+        assert steps == sorted(set(steps)), f"{tag}: a step logged twice"
+        assert steps == [step for step, _ in series], tag
+    assert record(run_dir)["mlflow"]["points_sent_before_resume"] > 0
+
+
+def test_a_tracking_uri_mlflow_cannot_use_stops_the_run_before_training(ortflow_cli, tmp_path):
+    status, err = ortflow_cli(
+        *DIGITS,
+        "logger=[tensorboard,mlflow]",
+        "logger.mlflow.tracking_uri=htp://nowhere",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+    )
+    assert status != 0
+    assert "logger.mlflow" in err and "htp://nowhere" in err and "required=false" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_an_unusable_uri_with_tracking_optional_trains_without_mlflow(ortflow_cli, tmp_path):
+    status, err = ortflow_cli(
+        *DIGITS,
+        "logger=[tensorboard,mlflow]",
+        "logger.mlflow.tracking_uri=htp://nowhere",
+        "logger.mlflow.required=false",
+        "trainer.max_steps=5",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+    )
+    assert status == 0, err[-3000:]
+    log = (tmp_path / "run" / "ortflow.log").read_text()
+    assert [line for line in log.splitlines() if "WARNING" in line and "htp://nowhere" in line]
+    assert record(tmp_path / "run")["status"] == "completed"
