@@ -39,6 +39,8 @@ OWN_NAMES = (
     "*.tmp",
     ".*.tmp-*",  # an atomic write a killed process left (removed on resume)
     "metrics.jsonl",
+    "metrics.csv",  # logger.csv
+    "mlflow.json",  # logger.mlflow: the run id a resume continues
     "tensorboard",
     "checkpoints",
     "onnx",

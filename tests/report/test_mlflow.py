@@ -261,3 +261,19 @@ def test_an_unusable_uri_with_tracking_optional_trains_without_mlflow(ortflow_cl
     log = (tmp_path / "run" / "ortflow.log").read_text()
     assert [line for line in log.splitlines() if "WARNING" in line and "htp://nowhere" in line]
     assert record(tmp_path / "run")["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_without_a_uri_the_run_goes_to_a_local_store_under_outputs(ortflow_cli, tmp_path):
+    status, err = ortflow_cli(
+        *DIGITS, "logger=[tensorboard,mlflow]", "trainer.max_steps=5", "hydra.run.dir=run", cwd=tmp_path
+    )
+    assert status == 0, err[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "outputs" / "mlflow.db"
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    got = client.get_run(run_id(tmp_path / "run"))
+    assert got.info.status == "FINISHED" and got.data.metrics["engine/ort_executed"] == 0.0
+    assert got.info.artifact_uri.startswith((tmp_path / "outputs" / "mlartifacts").as_uri())
+    assert "run.json" in {a.path for a in client.list_artifacts(got.info.run_id)}
