@@ -44,6 +44,16 @@ def continue_command(record: dict[str, Any], run_dir: Path) -> str:
     return shlex.join(["ortflow", *overrides, "trainer.resume=auto", f"hydra.run.dir={run_dir}"])
 
 
+def mlflow_text(tracked: dict[str, Any]) -> str:
+    """Where the run went in MLflow, or what MLflow missed after its tracking store failed."""
+    where = f"run {tracked.get('run_id')} at {tracked.get('tracking_uri')}"
+    if "error" not in tracked:
+        return where
+    missed = tracked.get("missed", {})
+    lost = f"missed {missed.get('points', 0)} points and the end of the run ({tracked['error']})"
+    return f"{where}: {lost}" if tracked.get("run_id") else f"nothing sent to {tracked.get('tracking_uri')}: {lost}"
+
+
 def summary_table(record: dict[str, Any], run_dir: Path, wall_s: float) -> Table:
     status = record.get("status", "?")
     metrics = record.get("metrics", {})
@@ -71,6 +81,8 @@ def summary_table(record: dict[str, Any], run_dir: Path, wall_s: float) -> Table
     table.add_row("run dir", str(run_dir))
     if (run_dir / "tensorboard").is_dir():
         table.add_row("tensorboard", f"tensorboard --logdir {run_dir / 'tensorboard'}")
+    if "mlflow" in record:
+        table.add_row("mlflow", mlflow_text(record["mlflow"]))
     if status in ("preempted", "interrupted", "failed") and any((run_dir / "checkpoints").glob("step-*.pt")):
         table.add_row("continue with", continue_command(record, run_dir))
     return table
