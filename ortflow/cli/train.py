@@ -107,7 +107,7 @@ def _main(cfg: DictConfig) -> float:
     try:
         if sweeping and owns_its_dir():  # a single run's dir was claimed before Hydra wrote (RunDirGuard)
             lock = claim(run_dir, cfg.trainer.resume, sweep_job=True)
-        metrics = train(cfg, run_dir, overrides).metrics
+        metrics = train(cfg, run_dir, overrides, Path(hydra_cfg.sweep.dir) if sweeping else None).metrics
     except Preempted as err:
         summary()
         if lock is not None:

@@ -71,8 +71,9 @@ class MLflowSink:
     holds how the run ended, `end`. Every call to the store goes through `_send`, which turns the first failure into
     the run's one warning and counts what is not sent after it."""
 
-    def __init__(self, client: Any, uri: str, experiment: str, start_step: int) -> None:
+    def __init__(self, client: Any, uri: str, experiment: str, start_step: int, parent: str | None = None) -> None:
         self.client, self.uri, self.experiment = client, uri, experiment
+        self.parent = parent  # a sweep's parent run: this run is one of its children
         self.run_id: str | None = None
         self.start = start_step
         self.logged: dict[str, set[int]] = {}  # steps after `start` the store holds already (an earlier attempt's)
@@ -110,23 +111,14 @@ class MLflowSink:
                 {"run_id": self.run_id, "tracking_uri": self.uri, "experiment": self.experiment},
             )
 
-    def _experiment_id(self) -> str:
-        found = self.client.get_experiment_by_name(self.experiment)
-        if found is not None:
-            return found.experiment_id
-        location = (DEFAULT_STORE / "mlartifacts").resolve().as_uri() if self.uri == default_uri() else None
-        try:
-            return self.client.create_experiment(self.experiment, artifact_location=location)
-        except Exception:  # created meanwhile by another job of a sweep
-            found = self.client.get_experiment_by_name(self.experiment)
-            if found is None:
-                raise
-            return found.experiment_id
-
     def _create(self, run_dir: Path, record: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        run = self.client.create_run(self._experiment_id(), run_name=run_dir.name, tags=start_tags(run_dir, record))
+        tags = start_tags(run_dir, record)
+        if self.parent is not None:
+            tags["mlflow.parentRunId"] = self.parent
+        experiment = experiment_id(self.client, self.uri, self.experiment)
+        run = self.client.create_run(experiment, run_name=run_dir.name, tags=tags)
         self.run_id = run.info.run_id
         params = [Param(k, v) for k, v in flatten(record.get("config") or {}).items()]
         for i in range(0, len(params), _BATCH):
@@ -177,7 +169,7 @@ class MLflowSink:
         self._send("end run", lambda: self.client.set_terminated(self.run_id, _STATUS.get(status, "KILLED")))
 
     def _end_tags(self, record: dict[str, Any]) -> None:
-        from mlflow.entities import RunTag
+        from mlflow.entities import Metric, RunTag
 
         engine = record.get("engine") or {}
         tags = {
@@ -185,9 +177,33 @@ class MLflowSink:
             "executed_by": engine.get("executed_by"),
             "precision": record.get("precision"),
             "status": record.get("status"),
+            "pruned": "true" if record.get("status") == "pruned" else None,
         }
         tags = {k: str(v) for k, v in tags.items() if v is not None}
-        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        # A sweep's job: the value it returns to the sweeper, as the metric `objective` at its last step.
+        objective = (record.get("config") or {}).get("objective")
+        value = (record.get("metrics") or {}).get(objective)
+        metrics = []
+        if isinstance(value, float) and self.parent is not None:
+            tags["objective"] = objective
+            step = int(record["metrics"].get("steps", 0))
+            metrics.append(Metric("objective", value, int(time.time() * 1000), step))
+        self.client.log_batch(self.run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+def experiment_id(client: Any, uri: str, name: str) -> str:
+    """The id of experiment `name`, created if missing (its artifacts beside the default local store)."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = (DEFAULT_STORE / "mlartifacts").resolve().as_uri() if uri == default_uri() else None
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # created meanwhile by another job of a sweep
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
 
 
 def start_tags(run_dir: Path, record: dict[str, Any]) -> dict[str, str]:
@@ -218,16 +234,17 @@ def _read_saved(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def open_sink(
-    cfg: MLflowConfig, run_dir: Path, experiment: str, start_step: int, record: dict[str, Any]
-) -> MLflowSink | None:
-    """The run's MLflow sink, its run started (or continued: `start_step` > 0), or None without one.
+def read_saved(folder: Path) -> dict[str, Any] | None:
+    """<folder>/mlflow.json: a run dir's MLflow run, or a sweep dir's parent run."""
+    return _read_saved(folder)
+
+
+def client_for(cfg: MLflowConfig) -> tuple[Any, str] | None:
+    """MLflow's client for logger.mlflow's store and its URI, or None (tracking optional and unusable).
 
     Raises:
         ConfigError: `mlflow` is not installed or the URI is one MLflow cannot use (logger.mlflow.required=true).
     """
-    if not cfg.enabled:
-        return None
     uri = cfg.tracking_uri or default_uri()
     try:
         from mlflow.tracking import MlflowClient
@@ -243,6 +260,30 @@ def open_sink(
     except Exception as err:  # an unknown scheme, a malformed database URI
         _unusable(f"tracking_uri={uri} is not one MLflow can use", cfg, str(err).splitlines()[0][:300])
         return None
-    sink = MLflowSink(client, uri, cfg.experiment or experiment, start_step)
+    return client, uri
+
+
+def open_sink(
+    cfg: MLflowConfig,
+    run_dir: Path,
+    experiment: str,
+    start_step: int,
+    record: dict[str, Any],
+    sweep_dir: Path | None = None,
+) -> MLflowSink | None:
+    """The run's MLflow sink, its run started (or continued: `start_step` > 0), or None without one. A sweep's job
+    (`sweep_dir`) is a child of the parent run the sweep started (<sweep dir>/mlflow.json), in its experiment.
+
+    Raises:
+        ConfigError: `mlflow` is not installed or the URI is one MLflow cannot use (logger.mlflow.required=true).
+    """
+    if not cfg.enabled or (found := client_for(cfg)) is None:
+        return None
+    client, uri = found
+    parent = read_saved(sweep_dir) if sweep_dir is not None else None
+    if parent is not None and parent.get("tracking_uri") == uri:
+        sink = MLflowSink(client, uri, parent["experiment"], start_step, parent["run_id"])
+    else:
+        sink = MLflowSink(client, uri, cfg.experiment or experiment, start_step)
     sink.start_run(run_dir, start_step > 0, record)
     return sink

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ortflow.files import read_record
+from ortflow.report import mlflow_sweep
 from ortflow.report.plots import plot_runs
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,11 @@ def write_summary(sweep_dir: Path, objective: str = "eval/loss", maximize: bool 
 
 
 class SweepSummary(Callback):
-    """Hydra callback (conf/config.yaml, hydra.callbacks) run once after all jobs of a multirun."""
+    """Hydra callback (conf/config.yaml, hydra.callbacks) run once after all jobs of a multirun (and, with
+    logger.mlflow, once before them: the sweep's MLflow parent run)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        mlflow_sweep.start_sweep(config, Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -119,6 +124,7 @@ class SweepSummary(Callback):
                 "best: job %s, %s = %.6g (%s)", best["job"], config.objective, best["objective"], best["overrides"]
             )
         failed = [r for r in rows if r["status"] not in ("completed", "pruned")]
+        mlflow_sweep.end_sweep(config, sweep_dir, best_row(rows, config.objective, maximize), bool(failed))
         for r in failed:
             log.error("job %s (%s): %s %s", r["job"], r["overrides"], r["status"], r["error"])
         log.info(

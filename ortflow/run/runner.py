@@ -304,8 +304,11 @@ class TrainOutcome:
     data: Data
 
 
-def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> TrainOutcome:
-    """Train as `cfg` says, writing everything under `run_dir`; return the final metrics, model and data.
+def train(
+    cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None, sweep_dir: Path | None = None
+) -> TrainOutcome:
+    """Train as `cfg` says, writing everything under `run_dir`; return the final metrics, model and data. A job of a
+    sweep gets its `sweep_dir` (logger.mlflow: its run is a child of the sweep's parent run).
 
     run.json records the run from its start (status "running") to its end ("completed", "failed" or
     "preempted"); a resumed run keeps the earlier attempts' records under "attempts".
@@ -330,7 +333,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) ->
             started = True
             world = distributed.start(cfg.distributed)
             run.open(cfg.trainer.resume, cfg.trainer.checkpoint.keep, world)
-            tracker = _tracker(cfg, run, overrides, world)  # before training: a bad URI stops the run here
+            tracker = _tracker(cfg, run, overrides, world, sweep_dir)  # before training: a bad URI stops the run here
             try:
                 metrics, results, model, data = _train(cfg, run, overrides, world, user_callbacks, tracker)
             except (MemoryError, RuntimeError, OSError) as err:
@@ -392,13 +395,15 @@ def _log_done(metrics: dict[str, Any], executed_by: str, run_dir: Path) -> None:
     )
 
 
-def _tracker(cfg: DictConfig, run: RunDir, overrides: list[str], world: World) -> MLflowSink | None:
+def _tracker(
+    cfg: DictConfig, run: RunDir, overrides: list[str], world: World, sweep_dir: Path | None
+) -> MLflowSink | None:
     """logger.mlflow's sink (rank 0's: the other ranks log nothing), its run started, or continued on a resume."""
     if not world.is_main:
         return None
     start = int(run.source[1]["step"]) if run.source is not None else 0
     experiment = recipe_name(overrides) or "ortflow"
-    return mlflow_sink.open_sink(cfg.logger.mlflow, run.path, experiment, start, run.record)
+    return mlflow_sink.open_sink(cfg.logger.mlflow, run.path, experiment, start, run.record, sweep_dir)
 
 
 def _train(

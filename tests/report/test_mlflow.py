@@ -303,3 +303,51 @@ def test_a_server_down_at_start_costs_one_warning_and_the_run_completes(ortflow_
     assert done["status"] == "completed" and done["mlflow"]["run_id"] is None
     assert done["mlflow"]["missed"]["points"] == sum(len(s) for s in points(tmp_path / "run").values())
     assert (tmp_path / "run" / "tensorboard").is_dir()
+
+
+@pytest.mark.slow
+def test_an_optuna_sweep_is_a_parent_run_with_a_child_per_trial(server, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    args = [
+        "-m",
+        "+recipe=digits",
+        "+hparams_search=optuna",
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.pruner.n_startup_trials=1",
+        "hydra.sweeper.params={optim.lr: {type: float, low: 1e-5, high: 1e-1, log: true}}",
+        "trainer.max_steps=40",
+        "trainer.eval_every=10",
+        "logger.progress=false",
+        "logger=[tensorboard,mlflow]",
+        f"logger.mlflow.tracking_uri={server.uri}",
+        "logger.mlflow.experiment=sweep",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    result = run(args, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    client = server.client()
+    parent_id = json.loads((sweep_dir / "mlflow.json").read_text())["run_id"]
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED"
+    experiment = client.get_experiment_by_name("sweep").experiment_id
+    children = client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'")
+    jobs = sorted(p for p in sweep_dir.iterdir() if (p / "run.json").is_file())
+    assert len(jobs) == 4 and len(children) == 4
+    by_id = {c.info.run_id: c for c in children}
+    statuses = []
+    for job in jobs:
+        done = record(job)
+        child = by_id[run_id(job)]
+        statuses.append(done["status"])
+        # Its overrides as params (the trial's learning rate), its objective, pruned ones marked.
+        lr = next(o.split("=", 1)[1] for o in done["overrides"] if o.startswith("optim.lr="))
+        assert float(child.data.params["optim.lr"]) == pytest.approx(float(lr))
+        assert child.data.metrics["objective"] == pytest.approx(done["metrics"]["eval/loss"])
+        assert (child.data.tags.get("pruned") == "true") == (done["status"] == "pruned")
+    assert "pruned" in statuses and "completed" in statuses, statuses  # the sweep pruned a trial
+    # The best trial, tagged on the parent: the completed job with the lowest eval/loss.
+    best = min((j for j in jobs if record(j)["status"] == "completed"), key=lambda j: record(j)["metrics"]["eval/loss"])
+    assert parent.data.tags["best_job"] == best.name
+    assert parent.data.tags["best_run_id"] == run_id(best)
+    assert parent.data.metrics["best_objective"] == pytest.approx(record(best)["metrics"]["eval/loss"])
+    assert "summary.csv" in {a.path for a in client.list_artifacts(parent_id)}
