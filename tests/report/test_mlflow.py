@@ -351,3 +351,27 @@ def test_an_optuna_sweep_is_a_parent_run_with_a_child_per_trial(server, tmp_path
     assert parent.data.tags["best_run_id"] == run_id(best)
     assert parent.data.metrics["best_objective"] == pytest.approx(record(best)["metrics"]["eval/loss"])
     assert "summary.csv" in {a.path for a in client.list_artifacts(parent_id)}
+
+
+@pytest.mark.parametrize("required", [True, False])
+def test_without_the_mlflow_package(required, ortflow_cli, monkeypatch, tmp_path):
+    """Missing: a one-paragraph error naming the extra before any training, or with tracking optional a warning."""
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # `import mlflow` raises ImportError
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
+    args = [
+        *DIGITS,
+        "logger=[tensorboard,mlflow]",
+        f"logger.mlflow.required={str(required).lower()}",
+        "trainer.max_steps=5",
+    ]
+    status, err = ortflow_cli(*args, "hydra.run.dir=run", cwd=tmp_path)
+    run_dir = tmp_path / "run"
+    if required:
+        assert status != 0 and "Traceback" not in err
+        assert "logger.mlflow: the mlflow package is not installed" in err and "ortflow[mlflow]" in err
+        assert not (run_dir / "metrics.jsonl").exists()
+    else:
+        assert status == 0, err[-3000:]
+        log = (run_dir / "ortflow.log").read_text()
+        assert "WARNING" in log and "the mlflow package is not installed" in log
+        assert record(run_dir)["status"] == "completed" and "mlflow" not in record(run_dir)
