@@ -390,6 +390,8 @@ class MLflowConfig:
     experiment: str | None = None  # null: the recipe's name (+recipe=NAME), else "ortflow"
     # false: a missing `mlflow` package or an unusable URI is a warning and the run trains without MLflow
     required: bool = True
+    # true: the final weights (checkpoints/final.pt) and, with export.hf, the hf/ folder as artifacts under model/
+    log_model: bool = False
 
 
 @dataclass

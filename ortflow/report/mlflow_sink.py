@@ -71,8 +71,17 @@ class MLflowSink:
     holds how the run ended, `end`. Every call to the store goes through `_send`, which turns the first failure into
     the run's one warning and counts what is not sent after it."""
 
-    def __init__(self, client: Any, uri: str, experiment: str, start_step: int, parent: str | None = None) -> None:
+    def __init__(
+        self,
+        client: Any,
+        uri: str,
+        experiment: str,
+        start_step: int,
+        parent: str | None = None,
+        log_model: bool = False,
+    ) -> None:
         self.client, self.uri, self.experiment = client, uri, experiment
+        self.log_model = log_model
         self.parent = parent  # a sweep's parent run: this run is one of its children
         self.run_id: str | None = None
         self.start = start_step
@@ -162,8 +171,14 @@ class MLflowSink:
         return out
 
     def end(self, run_dir: Path, status: str, record: dict[str, Any]) -> None:
-        """What executed the run as tags, run.json as an artifact, and the run's MLflow status."""
+        """What executed the run as tags, run.json (and with log_model the final model) as artifacts, and the run's
+        MLflow status."""
         self._send("set tags", lambda: self._end_tags(record))
+        final, hf = run_dir / "checkpoints" / "final.pt", run_dir / "hf"
+        if self.log_model and final.is_file():
+            self._send("log the model", lambda: self.client.log_artifact(self.run_id, str(final), "model"))
+        if self.log_model and hf.is_dir():
+            self._send("log hf/", lambda: self.client.log_artifacts(self.run_id, str(hf), "model/hf"))
         if (run_dir / "run.json").exists():
             self._send("log run.json", lambda: self.client.log_artifact(self.run_id, str(run_dir / "run.json")))
         self._send("end run", lambda: self.client.set_terminated(self.run_id, _STATUS.get(status, "KILLED")))
@@ -282,8 +297,8 @@ def open_sink(
     client, uri = found
     parent = read_saved(sweep_dir) if sweep_dir is not None else None
     if parent is not None and parent.get("tracking_uri") == uri:
-        sink = MLflowSink(client, uri, parent["experiment"], start_step, parent["run_id"])
+        sink = MLflowSink(client, uri, parent["experiment"], start_step, parent["run_id"], cfg.log_model)
     else:
-        sink = MLflowSink(client, uri, cfg.experiment or experiment, start_step)
+        sink = MLflowSink(client, uri, cfg.experiment or experiment, start_step, log_model=cfg.log_model)
     sink.start_run(run_dir, start_step > 0, record)
     return sink

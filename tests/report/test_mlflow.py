@@ -105,6 +105,7 @@ def test_a_run_sends_params_metrics_tags_and_artifacts(server, tmp_path):
         *DIGITS,
         "logger=[tensorboard,mlflow,csv]",
         f"logger.mlflow.tracking_uri={server.uri}",
+        "logger.mlflow.log_model=true",
         "trainer.max_steps=20",
         "hydra.run.dir=run",
     ]
@@ -142,6 +143,13 @@ def test_a_run_sends_params_metrics_tags_and_artifacts(server, tmp_path):
 
     names = {a.path for a in client.list_artifacts(got.info.run_id)}
     assert {"run.json", "config.yaml"} <= names
+    # logger.mlflow.log_model: the final weights, loadable as they are.
+    assert [a.path for a in client.list_artifacts(got.info.run_id, "model")] == ["model/final.pt"]
+    weights = download_artifacts(
+        run_id=got.info.run_id, artifact_path="model/final.pt", dst_path=str(tmp_path / "dl"), tracking_uri=server.uri
+    )
+    sent_weights, kept = torch.load(weights, weights_only=True), torch.load(run_dir / "checkpoints" / "final.pt")
+    assert sent_weights.keys() == kept.keys() and all(torch.equal(sent_weights[k], kept[k]) for k in kept)
     uploaded = json.loads(
         Path(
             download_artifacts(
