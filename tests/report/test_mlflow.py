@@ -383,3 +383,25 @@ def test_without_the_mlflow_package(required, ortflow_cli, monkeypatch, tmp_path
         log = (run_dir / "ortflow.log").read_text()
         assert "WARNING" in log and "the mlflow package is not installed" in log
         assert record(run_dir)["status"] == "completed" and "mlflow" not in record(run_dir)
+
+
+@pytest.mark.slow
+def test_under_ddp_only_rank_0_logs(server, tmp_path):
+    args = [
+        *DIGITS,
+        "distributed=ddp",
+        "trainer.max_steps=10",
+        "trainer.log_every=2",
+        "logger=[tensorboard,mlflow]",
+        f"logger.mlflow.tracking_uri={server.uri}",
+        "logger.mlflow.experiment=ddp",
+        "hydra.run.dir=run",
+    ]
+    result = run(args, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir, client = tmp_path / "run", server.client()
+    assert record(run_dir)["engine"]["world_size"] == 2
+    runs = client.search_runs([client.get_experiment_by_name("ddp").experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id(run_dir)]
+    for tag, series in points(run_dir).items():
+        assert [step for step, _ in history(client, run_id(run_dir), tag)] == [step for step, _ in series], tag
