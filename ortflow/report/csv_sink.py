@@ -37,5 +37,8 @@ class CSVSink:
     def text(self, tag: str, text: str) -> None:
         """Texts (the config, the engine) are not rows: run.json and .hydra/ hold them."""
 
+    def final(self, metrics: dict[str, float]) -> None:
+        """The final metrics are run.json's; the rows hold the points as they were logged."""
+
     def close(self) -> None:
         self.file.close()

@@ -35,6 +35,8 @@ class Sink(Protocol):
 
     def text(self, tag: str, text: str) -> None: ...
 
+    def final(self, metrics: dict[str, float]) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -149,6 +151,8 @@ class RunLogger:
         """The run's settings and final metrics for TensorBoard's HPARAMS tab (compare the jobs of a sweep)."""
         if self.writer is not None:
             self.writer.add_hparams(params, {f"final/{k}": v for k, v in metrics.items()}, run_name="hparams")
+        for sink in self.sinks:
+            sink.final(metrics)
 
     @holding
     def close(self) -> None:

@@ -89,6 +89,7 @@ class MLflowSink:
         self.error: str | None = None
         self.missed = {"points": 0, "calls": 0}
         self.skipped = 0  # points an earlier attempt had sent already
+        self.step = start_step  # the newest step logged
 
     def _send(self, what: str, call: Callable[[], Any], points: int = 0) -> Any:
         if self.error is None and (self.run_id is not None or what == "start"):
@@ -145,6 +146,7 @@ class MLflowSink:
     def scalars(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
+        self.step = max(self.step, step)
         fresh = {k: v for k, v in values.items() if step not in self.logged.get(k, ())}
         self.skipped += len(values) - len(fresh)
         if not fresh:
@@ -152,6 +154,10 @@ class MLflowSink:
         stamp = int(time.time() * 1000)
         metrics = [Metric(k, float(v), stamp, step) for k, v in fresh.items()]
         self._send("log metrics", lambda: self.client.log_batch(self.run_id, metrics=metrics), len(metrics))
+
+    def final(self, metrics: dict[str, float]) -> None:
+        """The run's final metrics as `final/<name>` at its last step, as TensorBoard's HPARAMS tab has them."""
+        self.scalars(self.step, {f"final/{k}": v for k, v in metrics.items()})
 
     def text(self, tag: str, text: str) -> None:
         """The config as config.yaml, the data and engine descriptions as <tag>.txt artifacts."""

@@ -124,7 +124,11 @@ def test_a_run_sends_params_metrics_tags_and_artifacts(server, tmp_path):
     # The same tags at the same steps as TensorBoard (metrics.jsonl), with the same values.
     expected = points(run_dir)
     assert {"train/loss", "eval/loss", "eval/accuracy", "engine/ort_executed"} <= set(expected)
-    assert set(got.data.metrics) == set(expected)
+    # ... and the final metrics TensorBoard's HPARAMS tab gets, as final/<name> at the last step.
+    final = {f"final/{k}": v for k, v in done["metrics"].items() if isinstance(v, float)}
+    assert "final/eval/accuracy" in final and set(got.data.metrics) == set(expected) | set(final)
+    for tag, value in final.items():
+        assert history(client, got.info.run_id, tag) == [(20, pytest.approx(value))], tag
     for tag, series in expected.items():
         sent = history(client, got.info.run_id, tag)
         assert [step for step, _ in sent] == [step for step, _ in series], tag
