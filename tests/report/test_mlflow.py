@@ -364,6 +364,13 @@ def test_an_optuna_sweep_is_a_parent_run_with_a_child_per_trial(server, tmp_path
     assert parent.data.tags["best_run_id"] == run_id(best)
     assert parent.data.metrics["best_objective"] == pytest.approx(record(best)["metrics"]["eval/loss"])
     assert "summary.csv" in {a.path for a in client.list_artifacts(parent_id)}
+    # The sweep run again in its dir (the study continued to 5 trials): the same parent, one more child.
+    again = run([*args[:3], "hydra.sweeper.n_trials=5", *args[4:]], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((sweep_dir / "mlflow.json").read_text())["run_id"] == parent_id
+    assert client.get_run(parent_id).info.status == "FINISHED"
+    children = client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'")
+    assert len(children) == 5 and len(client.search_runs([experiment])) == 6
 
 
 @pytest.mark.parametrize("required", [True, False])
