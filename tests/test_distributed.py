@@ -246,6 +246,7 @@ def test_a_ddp_ortmodule_run_leaves_no_threads_to_interpreter_shutdown(tmp_path)
     assert len(reports) == 2, result.stdout[-2000:]
     for line in reports:
         before, after = line.split(" before ")[1].split(" after ")
+        after = after[: after.index("]") + 1]  # another rank's output may follow on the same line
         assert after == before, line  # e.g. before the fix: + gloo_tcp_loop, 2 pt_gloo_runloop, 2 ORT pool threads
 
 
