@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ortflow import accel
+from ortflow.bench.workloads import subject
 from ortflow.config import FP32
 from ortflow.paths import search_dirs
 
@@ -85,7 +86,7 @@ def mode_config(spec: str, overrides: list[str]) -> Any:
 
 
 def overrides_for(args: argparse.Namespace, setting: str) -> list[str]:
-    return [f"+recipe={args.recipe}", *args.overrides, *([setting] if setting != "-" else [])]
+    return [*subject(args.recipe, args.workload), *args.overrides, *([setting] if setting != "-" else [])]
 
 
 def check_configs(args: argparse.Namespace) -> None:

@@ -43,7 +43,7 @@ def resumed_args(given: dict[str, Any], record: dict[str, Any], path: Path) -> a
             + ". A resumed bench runs with the arguments it started with (they are in the file): leave these out, "
             "or start a new bench without --resume."
         )
-    args = argparse.Namespace(**{**saved, "out": path, "resume": path})
+    args = argparse.Namespace(**{"workload": None, **saved, "out": path, "resume": path})  # files before --workload
     args.sweep, args.overrides = list(args.sweep), list(args.overrides)
     return args
 

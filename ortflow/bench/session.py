@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
+from ortflow.bench.categories import by_kind
 from ortflow.bench.peak import bf16_matmul_peak_gflops, matmul_peak_gflops, peaks_text
 from ortflow.bench.plan import check_configs, plan
 from ortflow.bench.processes import Stopped, run_worker, stop_on_signals
@@ -24,7 +25,8 @@ from ortflow.bench.records import (
     write_record,
 )
 from ortflow.bench.summary import summarize
-from ortflow.bench.tables import conversions_line, profile_table, short, table
+from ortflow.bench.tables import conversions_line, kinds_table, profile_table, short, table
+from ortflow.bench.workloads import describe
 from ortflow.config import BF16
 from ortflow.report import terminal
 from ortflow.report.plots import plot_scaling
@@ -124,10 +126,12 @@ def finish(args: argparse.Namespace, record: dict[str, Any], console: Console) -
     record |= {"matmul_peaks_gflops": peaks, "matmul_peak_gflops": peak, "rows": rows}
     machine = record["machine"]
     how = f"{args.steps} steps" if args.steps else f"{args.budget:g} s of steps"
-    console.print(table(record["rows"], f"ortflow-bench: +recipe={args.recipe}, {how} x {args.repeats} repeats"))
+    console.print(
+        table(record["rows"], f"ortflow-bench: {describe(args.recipe, args.workload)}, {how} x {args.repeats} repeats")
+    )
     console.print(f"machine: {describe_machine(machine)}")
     if args.sweep:
-        title = f"ortflow-bench +recipe={args.recipe}: {describe_machine(machine)}"
+        title = f"ortflow-bench {describe(args.recipe, args.workload)}: {describe_machine(machine)}"
         png = plot_scaling(record["rows"], args.out.with_suffix(".png"), title)
         record["png"] = str(png)
         console.print(f"written: {png}")
@@ -146,3 +150,6 @@ def finish_profile(args: argparse.Namespace, record: dict[str, Any], console: Co
         console.print(profile_table(result, args.top, title))
         if "conversions" in result:
             console.print(conversions_line(result, record["profiles"]))
+        result["by_kind"] = by_kind(result)
+    if any("by_kind" in p for p in record["profiles"]):
+        console.print(kinds_table(record["profiles"], "ms per step by kind of work (share of the profiled step)"))

@@ -4,6 +4,7 @@ from typing import Any
 
 from rich.table import Table
 
+from ortflow.bench.categories import KINDS
 from ortflow.bench.summary import precision_of
 from ortflow.report.profile import total_ms
 
@@ -120,3 +121,17 @@ def conversions_line(result: dict[str, Any], profiles: list[dict[str, Any]]) -> 
     if eager is not None and mode != "none" and eager["mb"] > 0:
         line += f"; {total['mb'] / eager['mb']:.2f}x eager's volume"
     return line
+
+
+def kinds_table(profiles: list[dict[str, Any]], title: str) -> Table:
+    """Each profiled mode's step by kind of work (bench.categories), ms per step and share of the step."""
+    done = [p for p in profiles if "error" not in p]
+    t = Table(title=title)
+    t.add_column("kind of work")
+    for p in done:
+        setting = "" if p["setting"] == "-" else p["setting"] + " "
+        t.add_column(f"{setting}{mode_label(p['mode'])}", justify="right")
+    for kind in KINDS:
+        t.add_row(kind, *(f"{p['by_kind'][kind]:.1f} ({p['by_kind'][kind] / p['step_ms']:.0%})" for p in done))
+    t.add_row("[bold]step[/bold]", *(f"{p['step_ms']:.1f}" for p in done))
+    return t

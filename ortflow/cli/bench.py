@@ -21,6 +21,9 @@ finished and `--resume FILE` runs only the rest. Other libraries' notices go to 
     ortflow-bench --sweep model.d_model=64,128,256 --sweep data.batch_size=16,32,64   # one PNG, a panel per sweep
     ortflow-bench --resume outputs/bench/2026-11-24_10-00-00.json   # continue a stopped bench
     ortflow-bench --precision fp32,bf16-mixed        # every mode in each precision (trainer.precision)
+    ortflow-bench --workload gpt2-124m --precision bf16-mixed   # a named size (d512, gpt2-124m, qwen2-lora)
+    ortflow-bench --recipe none model=hf model.model_type=gpt2 ++model.config.n_layer=4   # any model=hf or
+                                                     # model=custom config: no recipe, the overrides say it all
     ortflow-bench --profile                          # top operators per step: ORT's profiler beside torch.profiler
     ortflow-bench --modes 'none,ortmodule,ortmodule:accel.rewrite_gathers=false;accel.allow_spinning=true'
                                                      # a mode with its own overrides: before/after in one run
@@ -32,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from ortflow.bench.plan import DEFAULT_MODES, MODES, known_modes
+from ortflow.bench.workloads import WORKLOADS
+from ortflow.bench.workloads import help_text as workloads_help
 from ortflow.config import BF16, FP32
 from ortflow.errors import OrtflowError
 
@@ -63,7 +68,19 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
 
 def _add_subject(arg: _AddArgument) -> None:
     """What is measured: the recipe and the accel modes it runs in."""
-    arg("--recipe", default="transformer", help="recipe to benchmark (default: transformer)")
+    arg(
+        "--recipe",
+        default="transformer",
+        help="recipe to benchmark (default: transformer); none: no recipe, for a model=hf or model=custom config "
+        "given as overrides",
+    )
+    arg(
+        "--workload",
+        default=None,
+        choices=sorted(WORKLOADS),
+        metavar="NAME",
+        help="a named model size instead of --recipe (overrides after it win):\n" + workloads_help(),
+    )
     arg(
         "--modes",
         default=",".join(DEFAULT_MODES),
@@ -151,6 +168,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line, checked: positive counts, --sweep as KEY=V1,V2, overrides as KEY=VALUE, known modes."""
     p = _parser()
     args = p.parse_intermixed_args(argv)
+    if args.workload is not None and "recipe" in vars(_parser(defaults=False).parse_intermixed_args(argv)):
+        p.error(f"--workload {args.workload} names its own recipe: leave --recipe out (or use --recipe with overrides)")
     for name in ("budget", "min_steps", "warmup", "repeats", "steps", "top"):
         value = getattr(args, name)
         if value is not None and (value < 0 if name == "warmup" else value <= 0):

@@ -102,6 +102,47 @@ def test_sweep_takes_plain_overrides_after_it_and_modes_alternate():
             parse_args(bad)
 
 
+def test_named_workloads_and_no_recipe_compose_model_hf_configs_for_every_mode(capsys):
+    from ortflow.bench.plan import check_configs, mode_config, overrides_for
+
+    def config(*argv: str, mode: str = "artifacts:trainer.precision=bf16-mixed"):
+        args = parse_args(list(argv))
+        check_configs(args)  # every mode in every precision composes and validates
+        return mode_config(mode, overrides_for(args, "-"))
+
+    gpt2 = config("--workload", "gpt2-124m", "--precision", "fp32,bf16-mixed", "data.batch_size=2")
+    assert gpt2.model.model_type == "gpt2" and gpt2.trainer.precision == "bf16-mixed"
+    assert (gpt2.model.config.n_layer, gpt2.model.config.n_embd, gpt2.data.block_size) == (12, 768, 256)
+    assert gpt2.data.batch_size == 2  # an override after the workload wins over its own
+    qwen = config("--workload", "qwen2-lora")
+    assert (qwen.model.model_type, qwen.model.config.num_key_value_heads, qwen.peft.r) == ("qwen2", 2, 8)
+    assert config("--workload", "d512").model.d_model == 512
+    # A model=hf config of the user's own, with no recipe whose model keys it would have to carry.
+    own = config("--recipe", "none", "model=hf", "model.model_type=gpt2", "++model.config.n_layer=3", mode="none")
+    assert own.model.config.n_layer == 3 and own.model.model_type == "gpt2"
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "d512", "--recipe", "digits"])
+    assert "--workload d512 names its own recipe" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "gpt5"])
+    assert "gpt2-124m" in capsys.readouterr().err  # the choices, named
+
+
+@pytest.mark.slow
+def test_bench_measures_a_model_hf_config_with_lora_in_an_ort_engine(tmp_path):
+    out = tmp_path / "hf.json"
+    model = ["model=hf", "model.model_type=gpt2", "++model.config.n_layer=1", "++model.config.n_embd=32"]
+    model += ["++model.config.n_head=2", "+peft=lora", "data.block_size=16", "data.batch_size=4"]
+    timing = ["--modes", "none,artifacts", "--steps", "2", "--warmup", "0", "--repeats", "1"]
+    main(["--recipe", "none", *timing, "--out", str(out), *model])
+    report = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert all("error" not in r for r in rows.values()), rows
+    assert rows["artifacts"]["executed_by"] == "onnxruntime"
+    for run in report["runs"]:  # LoRA: the adapters train, the GPT-2 weights do not
+        assert 0 < run["parameters"]["trainable"] < run["parameters"]["total"], run
+
+
 def test_resume_refuses_other_arguments_and_other_files(tmp_path, capsys):
     out = tmp_path / "bench.json"
     started = ["--recipe", "digits", "--modes", "none", "--budget", "2", "--out", str(out), "model.hidden=[32]"]
@@ -278,6 +319,46 @@ def test_bench_profile_puts_orts_operators_beside_torchs(tmp_path):
         assert ranges[ort_run]["ort_run"]  # its self time is ORT's: marked, and left out of torch's total
     for mode in profiles:  # fp32: nothing converts to or from a 16-bit float, in any engine
         assert profiles[mode]["conversions"]["total"] == {"count": 0.0, "mb": 0.0, "ms": 0.0}, mode
+        kinds = profiles[mode]["by_kind"]  # the step by kind of work: every millisecond once
+        assert kinds["GEMM"] > 0 and kinds["conversions"] == 0, (mode, kinds)
+        assert sum(kinds.values()) == pytest.approx(profiles[mode]["step_ms"]), (mode, kinds)
+    for mode in ("ortmodule", "artifacts"):
+        assert profiles[mode]["by_kind"]["dropout masks"] > 0, mode  # ortflow's masks, drawn by torch
+
+
+def test_a_profiled_step_is_split_by_kind_of_work_counting_orts_torch_kernels_once():
+    from ortflow.bench.categories import by_kind
+
+    result = {
+        "step_ms": 100.0,
+        "torch_ops": [
+            {"op": "aten::mm", "ms_per_step": 30.0},  # run by ORT's ATen node: torch's time is the work
+            {"op": "aten::copy_", "ms_per_step": 6.0},  # 4 of them converting dtypes (below)
+            {"op": "aten::bernoulli_", "ms_per_step": 5.0},
+            {"op": "aten::_fused_adamw_", "ms_per_step": 4.0},
+            {"op": "autograd::engine::evaluate_function: MmBackward0", "ms_per_step": 1.0},
+            {"op": "_ORTModuleFunction", "ms_per_step": 50.0, "ort_run": True},  # ORT's: its kernels below
+        ],
+        "ort_ops": [
+            {"op": "ATen", "ms_per_step": 33.0},  # the aten::mm above and the node's own overhead
+            {"op": "FusedMatMul", "ms_per_step": 10.0},
+            {"op": "SoftmaxGrad_13", "ms_per_step": 3.0},
+            {"op": "LayerNormalizationGrad", "ms_per_step": 7.0},
+            {"op": "Cast", "ms_per_step": 2.0},
+        ],
+        "conversions": {"total": {"ms": 5.0}},
+    }
+    kinds = by_kind(result)
+    assert kinds == {
+        "GEMM": 40.0,
+        "attention": 3.0,
+        "conversions": 5.0,
+        "element-wise": 10.0,  # LayerNormalizationGrad 7, the copies and Casts that keep their dtype 3
+        "dropout masks": 5.0,
+        "optimizer": 4.0,
+        "framework ranges": 1.0,
+        "outside kernels": 32.0,  # the step's wall time no operator accounts for
+    }
 
 
 def test_ort_profile_is_reduced_per_operator_and_step_without_the_first_runs(tmp_path):
