@@ -1,16 +1,50 @@
 """What a graph's values are: their types and shapes as ONNX shape inference knows them, and who reads them."""
 
+import math
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+# Float initializers of at least this many bytes lose their data while a graph is copied for shape inference (their
+# type and dims are all it reads); smaller ones, and every integer tensor (a Reshape's shape), keep it.
+ASIDE_BYTES = 1 << 16
+_FLOAT_BYTES = {
+    onnx.TensorProto.FLOAT: 4,
+    onnx.TensorProto.DOUBLE: 8,
+    onnx.TensorProto.FLOAT16: 2,
+    onnx.TensorProto.BFLOAT16: 2,
+}
+
+
+def without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of the model for shape inference: its large float initializers keep their type and dims, not their data.
+
+    Why: shape inference serialises the whole model, parses it back and returns a copy. For a model whose weights
+    are 1.4 GB (the 359M-parameter LoRA shape in docs/performance.md) that was ~4 GB more resident memory at each
+    rewrite that asks for the graph's types, the build's peak. Without the data a copy is the graph alone."""
+    light = onnx.ModelProto()
+    light.ir_version = model.ir_version
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    source, graph = model.graph, light.graph
+    graph.name = source.name
+    for field in ("node", "input", "output", "value_info"):
+        getattr(graph, field).extend(getattr(source, field))
+    for init in source.initializer:
+        if _FLOAT_BYTES.get(init.data_type, 0) * math.prod(init.dims) < ASIDE_BYTES:
+            graph.initializer.append(init)
+        else:
+            light_init = graph.initializer.add()
+            light_init.name, light_init.data_type = init.name, init.data_type
+            light_init.dims.extend(init.dims)
+    return light
+
 
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Every value's inferred type (ONNX shape inference; exported training graphs have static shapes)."""
-    inferred = onnx.shape_inference.infer_shapes(model)
-    graph = inferred.graph
+    graph = onnx.shape_inference.infer_shapes(without_weights(model)).graph
     return {v.name: v.type for v in (*graph.input, *graph.value_info, *graph.output)}
 
 
