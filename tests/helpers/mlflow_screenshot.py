@@ -12,22 +12,10 @@ import tempfile
 import urllib.parse
 from pathlib import Path
 
-from tests.helpers.mlflow_server import MLflowServer
+from tests.helpers.mlflow_server import MLflowServer, optuna_sweep
 
 REPO = Path(__file__).resolve().parents[2]
-SWEEP = [
-    "-m",
-    "+recipe=digits",
-    "+hparams_search=optuna",
-    "hydra.sweeper.n_trials=4",
-    "hydra.sweeper.pruner.n_startup_trials=1",
-    "hydra.sweeper.params={optim.lr: {type: float, low: 1e-5, high: 1e-1, log: true}}",
-    "trainer.max_steps=40",
-    "trainer.eval_every=10",
-    "logger.progress=false",
-    "logger=[tensorboard,mlflow]",
-    "logger.mlflow.experiment=digits-sweep",
-]
+SWEEP = [*optuna_sweep(), "logger.mlflow.experiment=digits-sweep"]
 
 
 def main(out: Path) -> None:

@@ -61,3 +61,20 @@ class MLflowServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self.log.close()
+
+
+def optuna_sweep(trials: int = 4) -> list[str]:
+    """`ortflow -m` arguments of an Optuna sweep of the digits recipe (one trial pruned after the first) that logs to
+    TensorBoard and MLflow. The caller adds logger.mlflow.tracking_uri, logger.mlflow.experiment and hydra.sweep.dir."""
+    return [
+        "-m",
+        "+recipe=digits",
+        "+hparams_search=optuna",
+        f"hydra.sweeper.n_trials={trials}",
+        "hydra.sweeper.pruner.n_startup_trials=1",
+        "hydra.sweeper.params={optim.lr: {type: float, low: 1e-5, high: 1e-1, log: true}}",
+        "trainer.max_steps=40",
+        "trainer.eval_every=10",
+        "logger.progress=false",
+        "logger=[tensorboard,mlflow]",
+    ]

@@ -16,7 +16,7 @@ import torch
 
 from ortflow.run import checkpoint
 from tests.conftest import REPO
-from tests.helpers.mlflow_server import MLflowServer
+from tests.helpers.mlflow_server import MLflowServer, optuna_sweep
 
 DIGITS = [
     "+recipe=digits",
@@ -321,21 +321,12 @@ def test_a_server_down_at_start_costs_one_warning_and_the_run_completes(ortflow_
 @pytest.mark.slow
 def test_an_optuna_sweep_is_a_parent_run_with_a_child_per_trial(server, tmp_path):
     sweep_dir = tmp_path / "sweep"
-    args = [
-        "-m",
-        "+recipe=digits",
-        "+hparams_search=optuna",
-        "hydra.sweeper.n_trials=4",
-        "hydra.sweeper.pruner.n_startup_trials=1",
-        "hydra.sweeper.params={optim.lr: {type: float, low: 1e-5, high: 1e-1, log: true}}",
-        "trainer.max_steps=40",
-        "trainer.eval_every=10",
-        "logger.progress=false",
-        "logger=[tensorboard,mlflow]",
+    where = [
         f"logger.mlflow.tracking_uri={server.uri}",
         "logger.mlflow.experiment=sweep",
         f"hydra.sweep.dir={sweep_dir}",
     ]
+    args = [*optuna_sweep(), *where]
     result = run(args, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     client = server.client()
@@ -365,7 +356,7 @@ def test_an_optuna_sweep_is_a_parent_run_with_a_child_per_trial(server, tmp_path
     assert parent.data.metrics["best_objective"] == pytest.approx(record(best)["metrics"]["eval/loss"])
     assert "summary.csv" in {a.path for a in client.list_artifacts(parent_id)}
     # The sweep run again in its dir (the study continued to 5 trials): the same parent, one more child.
-    again = run([*args[:3], "hydra.sweeper.n_trials=5", *args[4:]], tmp_path)
+    again = run([*optuna_sweep(trials=5), *where], tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((sweep_dir / "mlflow.json").read_text())["run_id"] == parent_id
     assert client.get_run(parent_id).info.status == "FINISHED"
