@@ -9,8 +9,8 @@ Where each number comes from, so no work is counted twice:
   the dtype are element-wise;
 - "outside kernels" is the profiled step's wall time minus all of the above: the ATen nodes' own overhead, ORT's
   scheduling, Python. It is what neither profiler attributes to an operator.
-Operators are sorted by name; an operator this table does not know is element-wise (the remainder of a step's
-kernels, after the named kinds)."""
+Operators are put in a kind by their name; an aten operator or ORT kernel this module does not name is element-wise
+(the remainder of a step's kernels, after the named kinds)."""
 
 from typing import Any
 
