@@ -390,11 +390,28 @@ class ArtifactsEngine:
         self.module = api.Module(
             str(self.onnx_dir / "training_model.onnx"), self.state, eval_model, session_options=self.options
         )
+        self._share_weights()
         if self.fused_adamw:
             self.optimizer = buffer_adamw.BufferAdamW(self.state, self.trainable, self.optim, self.grad_clip, lr)
         else:
             self.optimizer = self._ort_optimizer(lr)
         self._write_running_statistics()  # the torch buffers own them (a resumed run: the checkpoint's)
+
+    def _share_weights(self) -> None:
+        """The torch model's parameters become views of the weights ORT's state holds (DLPack, no copy): the engine
+        keeps one copy of the model, not two (344 MB less on the GPT-2-124M shape, 1.44 GB on the Qwen2 LoRA shape),
+        and the torch model holds the weights ORT trains, step by step (the first-step check's eager side, a
+        checkpoint). A resume's new state is shared the same way. Every parameter is one of the state's tensors: the
+        exported graph holds each as an initializer, and generate_artifacts put them all in the checkpoint."""
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                weights = ort.buffer_view(self.state._state.get_parameter(_PREFIX + name).data)
+                if weights.shape != param.shape or weights.dtype != param.dtype:
+                    raise OrtflowError(
+                        f"accel=artifacts: ORT's state holds the parameter {name} as {weights.dtype} "
+                        f"{tuple(weights.shape)}, the model as {param.dtype} {tuple(param.shape)}."
+                    )
+                param.data = weights
 
     def _ort_optimizer(self, lr: float) -> Any:
         """ORT's training-API Optimizer over the module (its optimizer graph); profiled into a file of its own."""
@@ -572,12 +589,9 @@ class ArtifactsEngine:
         self.optimizer.set_learning_rate(lr)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights ORT holds, under the torch model's state_dict names; buffers from the torch model (BatchNorm's
-        running statistics included: they are kept there)."""
-        weights = state_dict.copied(self.model)  # with the state_dict's metadata (module versions)
-        for name in dict(self.model.named_parameters()):
-            weights[name] = torch.from_numpy(np.array(self.state.parameters[_PREFIX + name].data))
-        return weights
+        """The weights ORT holds (the torch model's parameters are views of them: `_share_weights`), and the buffers
+        the torch model keeps (BatchNorm's running statistics), copied, with the state_dict's metadata."""
+        return state_dict.copied(self.model)
 
     def optimizer_state(self) -> dict[str, Any]:
         """torch's fused AdamW: its state_dict, as eager's and ORTModule's (the weights are the checkpoint's model
