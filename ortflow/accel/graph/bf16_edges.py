@@ -26,7 +26,17 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.accel.graph import aten_gemm, aten_nodes, aten_relu, aten_shapes, batchnorm, bf16_maps, onnx_values
+from ortflow.accel.graph import (
+    aten_gemm,
+    aten_nodes,
+    aten_relu,
+    aten_shapes,
+    batchnorm,
+    bf16_gated_edges,
+    bf16_gelu_edges,
+    bf16_maps,
+    onnx_values,
+)
 from ortflow.accel.graph import plan as graph_plan
 from ortflow.config import BF16
 
@@ -302,6 +312,8 @@ def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_pla
     if plan.by_torch(NAME):
         fed = work.masks if work.masks_as_inputs else None
         work.count("bf16_edges_between_gemms", gemm_relu_chains(model, fed))
+        work.count("bf16_edges_through_gelus", bf16_gelu_edges.gemm_gelu_chains(model))
+        work.count("bf16_edges_through_gated_mlps", bf16_gated_edges.gated_chains(model))
         by_host = plan.path(batchnorm.NAME) is graph_plan.Path.host
         work.count("bf16_maps_between_convolutions", bf16_maps.feature_maps(model, by_host))
 
@@ -309,8 +321,9 @@ def _rewrite(model: onnx.ModelProto, plan: graph_plan.GraphPlan, work: graph_pla
 NAME = "bf16_edges"
 OP = graph_plan.torch_or_ort(
     NAME,
-    replaces="fp32 edges between bf16 GEMMs (GEMM -> ReLU -> dropout -> GEMM) and between bf16 convolutions "
-    "(BatchNorm, ReLU, residual adds, pooling) by bf16 ones, what lies between run by torch",
+    replaces="fp32 edges between bf16 GEMMs (GEMM -> ReLU -> dropout -> GEMM, GEMM -> GELU -> GEMM, gated MLPs' "
+    "SiLU-and-multiply) and between bf16 convolutions (BatchNorm, ReLU, residual adds, pooling) by bf16 ones, what "
+    "lies between run by torch",
     module=__name__,
     setting="bf16_edges",
     by_torch=lambda settings, precision: graph_plan.switch(settings, "bf16_edges", precision) and precision == BF16,

@@ -108,7 +108,8 @@ class GraphSettings:
     # ~95 ms for torch's on a 2-core Zen 5. null: on with trainer.precision=bf16-mixed, off in fp32.
     aten_cross_entropy: bool | None = None
     # bf16 handed from one bf16 GEMM to the next through a ReLU and a dropout mask (a transformer's feed-forward
-    # block), the ReLU and the mask then run by torch (accel/graph/bf16_edges.py), and a CNN's feature maps from
+    # block), the ReLU and the mask then run by torch (accel/graph/bf16_edges.py), through GPT-2's GELU and a gated
+    # MLP's SiLU-and-multiply (bf16_gelu_edges.py, bf16_gated_edges.py), and a CNN's feature maps from
     # convolution to convolution through BatchNorm, ReLU, residual adds and pooling run by torch on bf16
     # (accel/graph/bf16_maps.py), as autocast hands bf16 along: the vision recipe converted 48x eager bf16's volume a
     # step without it, 1.0x with it. null: on with trainer.precision=bf16-mixed; fp32 has no bf16 edges.

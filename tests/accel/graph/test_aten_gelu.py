@@ -114,6 +114,7 @@ def test_gpt2_with_lora_in_bf16_runs_gelu_and_the_loss_by_torch_within_eager_bf1
     assert record["engine"]["executed_by"] == "onnxruntime"
     fixes = record["engine"]["graph_fixes"]
     assert fixes["gelus_run_by_torch"] == 2  # one per layer
+    assert fixes["bf16_edges_through_gelus"] == 2  # c_fc hands bf16 through the GELU to c_proj
     assert fixes["lm_head_losses_fused_bf16"] == 1  # the training graph's: no fp32 logits, no ORT loss
     if mode == "artifacts":
         assert_returns_loss_only_in_training(tmp_path / mode)
