@@ -137,3 +137,23 @@ def test_the_check_takes_the_engines_gradients_from_its_first_step_where_it_can(
     with plants.declared(), planted, off:
         train(overrides, run_dir=tmp_path / "planted")
     assert not list((tmp_path / "planted").rglob("*.pt")), "a checkpoint was written"
+
+
+def test_the_export_trace_tracks_grad_without_saving_activations():
+    """Inside traced_with_grad the forward's values know whether they require grad (the stops are read from that),
+    and autograd saves nothing for a backward the export never runs: a backward names the export."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    saved: list[torch.Tensor] = []
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(count, lambda t: t)
+    with torch.no_grad(), hooks, stop_gradients.traced_with_grad(model):
+        out = model(torch.randn(4, 8))
+    assert out.requires_grad and not saved
+    with pytest.raises(RuntimeError, match="exported it to ONNX"):
+        out.sum().backward()

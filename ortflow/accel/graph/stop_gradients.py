@@ -94,22 +94,32 @@ def _stop_symbolic(plan: graph_plan.GraphPlan, native: Any) -> Any:
     return symbolic
 
 
+def _dropped(_: Any) -> torch.Tensor:
+    raise RuntimeError(
+        "the model's forward ran a backward while torch exported it to ONNX: an ONNX graph cannot hold that"
+    )
+
+
 @contextlib.contextmanager
 def traced_with_grad(module: nn.Module) -> Iterator[None]:
     """While inside: `module`'s forward runs with grad enabled (ORTModule exports under torch.no_grad(), where every
-    traced value would say it requires no grad and a no_grad region could not be told from the rest)."""
+    traced value would say it requires no grad and a no_grad region could not be told from the rest). No tensor is
+    saved for a backward the trace never runs: autograd keeping every activation made the export's peak an fp32
+    training step's (GPT-2-124M shape, batch 8 x 256: 4.7 GB above the model)."""
     previous: list[bool] = []
 
-    modes: list[_NoGradRegions] = []
+    modes: list[contextlib.ExitStack] = []
 
     def enable(mod: nn.Module, args: Any) -> None:
         previous.append(torch.is_grad_enabled())
         torch.set_grad_enabled(True)
-        modes.append(_NoGradRegions())
-        modes[-1].__enter__()
+        stack = contextlib.ExitStack()
+        stack.enter_context(_NoGradRegions())
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda _: None, _dropped))
+        modes.append(stack)
 
     def restore(mod: nn.Module, args: Any, output: Any) -> None:
-        modes.pop().__exit__(None, None, None)
+        modes.pop().close()
         torch.set_grad_enabled(previous.pop())
 
     handles = [module.register_forward_pre_hook(enable), module.register_forward_hook(restore)]
@@ -118,8 +128,8 @@ def traced_with_grad(module: nn.Module) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-        while modes:  # the forward raised: its mode was not left (the grad mode, the exporter's no_grad restores)
-            modes.pop().__exit__(None, None, None)
+        while modes:  # the forward raised: its modes were not left (the grad mode, the exporter's no_grad restores)
+            modes.pop().close()
 
 
 def _stops(model: onnx.ModelProto) -> dict[str, tuple[str, str]]:
