@@ -1,7 +1,10 @@
 """accel=artifacts keeps one copy of the weights: the torch model's parameters are views of ORT's state's buffers."""
 
+import gc
+
 import numpy as np
 import pytest
+import torch
 
 from ortflow.accel.compat.ort import buffer_view
 from tests.accel.test_buffer_adamw import artifacts_engine, batches
@@ -42,3 +45,17 @@ def test_the_torch_model_holds_the_weights_ort_trains_without_a_copy(fused, tmp_
             np.testing.assert_array_equal(param.detach().numpy(), ort_weights[name], err_msg=name)
     state = engine.model_state_dict()
     assert all(state[n].data_ptr() != p.data_ptr() for n, p in engine.model.named_parameters())  # a copy
+
+
+def test_the_models_weights_outlive_the_engine(tmp_path):
+    """The views hold ORT's buffers (DLPack keeps the OrtValue): the model a run returns, or the one accel=auto goes on
+    with after probing this engine, keeps its weights once the engine and its state are gone."""
+    data = batches()
+    engine = artifacts_engine(True, None, data[0], tmp_path)
+    engine.train_step(*data[0])
+    model = engine.model
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    del engine
+    gc.collect()
+    reused = [torch.full((64, 64), 7.0) for _ in range(256)]  # memory freed by the state would be handed out again
+    assert reused and all(torch.equal(p.detach(), want[n]) for n, p in model.named_parameters())
