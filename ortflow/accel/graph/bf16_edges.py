@@ -102,16 +102,6 @@ aten_nodes.declare(
 )
 
 
-def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
-    found: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            found.setdefault(name, []).append(node)
-    for value in graph.output:
-        found.setdefault(value.name, []).append(None)  # type: ignore[arg-type]  (a graph output is a reader)
-    return found
-
-
 def _only(readers: dict[str, list], name: str) -> onnx.NodeProto | None:
     found = readers.get(name, [])
     return found[0] if len(found) == 1 else None
@@ -161,7 +151,7 @@ def gemm_relu_chains(model: onnx.ModelProto, masks: list | None = None) -> int:
     many it fused."""
     graph = model.graph
     types = {v.name: v.type.tensor_type.elem_type for v in graph.input}
-    readers = _readers(graph)
+    readers = onnx_values.reader_nodes(graph)
     producers = {name: node for node in graph.node for name in node.output}
     constants = onnx_values.constants(graph)
     removed: set[int] = set()
@@ -183,13 +173,7 @@ def gemm_relu_chains(model: onnx.ModelProto, masks: list | None = None) -> int:
         removed.update(id(node) for node in nodes)
         changed += 1
     if changed:
-        kept = []
-        for node in graph.node:
-            kept += before.get(id(node), [])
-            if id(node) not in removed:
-                kept.append(node)
-        del graph.node[:]
-        graph.node.extend(kept)
+        onnx_values.place_before(graph, before, removed)
     return changed
 
 

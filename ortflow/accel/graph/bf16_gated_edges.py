@@ -20,7 +20,7 @@ gradient in bf16). The gradient (`ortflow::silu_mul_backward`) is autograd's on 
 import onnx
 import torch
 
-from ortflow.accel.graph import aten_gemm, aten_nodes, aten_shapes, bf16_gelu_edges
+from ortflow.accel.graph import aten_gemm, aten_nodes, aten_shapes, bf16_gelu_edges, onnx_values
 
 OPERATOR = "ortflow::silu_mul"
 BACKWARD = "ortflow::silu_mul_backward"
@@ -89,10 +89,10 @@ def _gate(
 def gated_chains(model: onnx.ModelProto) -> int:
     """Hand bf16 through each gated MLP's SiLU-and-multiply (module docstring). Returns how many now do."""
     graph = model.graph
-    readers = bf16_gelu_edges.readers(graph)
+    readers = onnx_values.reader_nodes(graph)
     producers = {name: node for node in graph.node for name in node.output}
     removed: set[int] = set()
-    placed: dict[int, onnx.NodeProto] = {}  # the down GEMM -> the silu_mul node placed just before it
+    placed: dict[int, list[onnx.NodeProto]] = {}  # the down GEMM -> the silu_mul node placed just before it
     bf16: list[str] = []
     for down in list(graph.node):
         product = producers.get(down.input[0]) if _is_gemm(down) else None
@@ -110,17 +110,12 @@ def gated_chains(model: onnx.ModelProto) -> int:
             for gemm in (gate[0], up):
                 aten_nodes.set_operator(gemm, bf16_gelu_edges.OPERATOR)  # the product in bf16
             g, edge = gate[0].output[0], product.output[0]  # the same value, now bf16 (Shape nodes may read it)
-            placed[id(down)] = aten_nodes.make_node(OPERATOR, [g, u], [edge], f"{product.name or edge}/silu_mul")
+            placed[id(down)] = [aten_nodes.make_node(OPERATOR, [g, u], [edge], f"{product.name or edge}/silu_mul")]
             removed.update(id(n) for n in (*gate[1], product))
             bf16 += [g, u, edge]
             break
     if placed:
-        nodes = [n for n in graph.node if id(n) not in removed]
-        del graph.node[:]
-        for node in nodes:
-            if id(node) in placed:
-                graph.node.append(placed[id(node)])
-            graph.node.append(node)
+        onnx_values.place_before(graph, placed, removed)
         bf16_gelu_edges.type_bf16(graph, bf16)
         aten_nodes.import_domain(model)
     return len(placed)

@@ -25,7 +25,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from ortflow.accel.graph import aten_gelu, aten_gemm, aten_nodes, aten_shapes
+from ortflow.accel.graph import aten_gelu, aten_gemm, aten_nodes, aten_shapes, onnx_values
 
 OPERATOR = "ortflow::gemm_bf16_out"
 
@@ -55,16 +55,6 @@ aten_nodes.declare(
     bf16_input=0,
     shape=shape,
 )
-
-
-def readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto | None]]:
-    found: dict[str, list[onnx.NodeProto | None]] = {}
-    for node in graph.node:
-        for name in node.input:
-            found.setdefault(name, []).append(node)
-    for value in graph.output:
-        found.setdefault(value.name, []).append(None)  # a graph output is a reader
-    return found
 
 
 Chain = tuple[list[onnx.NodeProto], list[tuple[onnx.NodeProto, int]]]
@@ -112,7 +102,7 @@ def type_bf16(graph: onnx.GraphProto, names: list[str], gone: Iterable[str] = ()
 def gemm_gelu_chains(model: onnx.ModelProto) -> int:
     """Hand bf16 from GEMM through GELU to GEMM (module docstring). Returns how many chains now do."""
     graph = model.graph
-    found_readers = readers(graph)
+    found_readers = onnx_values.reader_nodes(graph)
     renamed: dict[str, str] = {}
     moved: dict[int, onnx.NodeProto] = {}  # the second GEMM -> the GELU placed just before it
     for first in list(graph.node):
@@ -141,12 +131,6 @@ def gemm_gelu_chains(model: onnx.ModelProto) -> int:
             shape.input[0] = reshaped[past]
         moved[id(second)] = gelu
     if renamed:
-        placed = {id(gelu) for gelu in moved.values()}
-        nodes = [n for n in graph.node if id(n) not in placed]
-        del graph.node[:]
-        for node in nodes:
-            if id(node) in moved:
-                graph.node.append(moved[id(node)])
-            graph.node.append(node)
+        onnx_values.place_before(graph, {k: [gelu] for k, gelu in moved.items()}, {id(g) for g in moved.values()})
         type_bf16(graph, list(renamed.values()), renamed)
     return len(moved)

@@ -91,6 +91,29 @@ def readers(graph: onnx.GraphProto) -> dict[str, int]:
     return count
 
 
+def reader_nodes(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto | None]]:
+    """Who reads each value: the nodes taking it as an input, and None for each time it is a graph output."""
+    found: dict[str, list[onnx.NodeProto | None]] = {}
+    for node in graph.node:
+        for name in node.input:
+            found.setdefault(name, []).append(node)
+    for value in graph.output:
+        found.setdefault(value.name, []).append(None)
+    return found
+
+
+def place_before(graph: onnx.GraphProto, before: dict[int, list[onnx.NodeProto]], dropped: set[int]) -> None:
+    """Rewrite the graph's node list in place, keeping its order: the nodes `before[id(node)]` go just before `node`,
+    and the nodes whose id is in `dropped` go."""
+    kept: list[onnx.NodeProto] = []
+    for node in graph.node:
+        kept += before.get(id(node), [])
+        if id(node) not in dropped:
+            kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
 def replace_nodes(graph: onnx.GraphProto, replacements: dict[str, list[onnx.NodeProto]], dropped: set[str]) -> None:
     """Rewrite the graph's node list in place, keeping its order: a node whose first output is a key of
     `replacements` becomes those nodes, one whose first output is in `dropped` goes."""
