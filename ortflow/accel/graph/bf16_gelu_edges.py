@@ -8,11 +8,14 @@ makes: under CPU autocast addmm returns bf16 and gelu keeps a bf16 input bf16. A
 the backward in fp32, twice eager's bytes.
 
 How (`gemm_gelu_chains`, after bf16_edges.py's ReLU chains): a `gemm_bf16 -> [Reshape] -> ATen gelu_tanh ->
-[Reshape] -> gemm_bf16 (its first input)` chain, every value in it read once, becomes
+[Reshape] -> gemm_bf16 (its first input)` chain, every value in it read once (Shape nodes aside: ORTModule's
+exports read a view's sizes), becomes
 - the first GEMM `ortflow::gemm_bf16_out`, the same product returned in bf16 (its gradient node is the GEMM's own,
   which takes a bf16 gradient as it is);
-- the Reshapes (ORT's, which move bytes of any type) and the GELU node (torch's `gelu(approximate="tanh")` and
-  `gelu_backward`, which keep bf16 bf16, as autograd does) on the bf16 values;
+- the Reshapes (ORT's, which move bytes of any type) on the bf16 values, and after them the GELU node (torch's
+  `gelu(approximate="tanh")` and `gelu_backward`, which keep bf16 bf16, as autograd does): element-wise, it may
+  move, and the second GEMM then reads a tensor torch made (see `gemm_gelu_chains`). Shape nodes read the value of
+  the same shape in the new order;
 - the second GEMM told that its input arrives bf16 (aten_nodes.AtenOp.bf16_input), so its gradient node returns
   that input's gradient in bf16.
 A chain with anything else between the GEMMs (a dropout mask, a second reader) is left as it is.
