@@ -160,7 +160,11 @@ class RayCluster:
             node = self.nodes.pop()
             _stop(node, self.seen.pop(node, {}))
             self._start_second()
-            found = self._raylet(self.nodes[-1])
+            # Ray may still list the killed node alive, so two listed nodes need not include the new one yet: its
+            # raylet can appear after `_start_second` returns.
+            deadline = time.monotonic() + 60
+            while (found := self._raylet(self.nodes[-1])) is None and time.monotonic() < deadline:
+                time.sleep(0.5)
         if found is None:
             raise RuntimeError(f"the second Ray node has no raylet: {self.logs()}")
         deadline = time.monotonic() + 180
