@@ -59,7 +59,7 @@ aten_nodes.declare(
 
 def _only(readers: dict[str, list], name: str) -> onnx.NodeProto | None:
     """The one reader of `name` besides Shape nodes (None: none, several, or a graph output)."""
-    found = [n for n in readers.get(name, []) if n is None or n.op_type != "Shape"]
+    found = onnx_values.data_readers(readers, name)
     return found[0] if len(found) == 1 else None
 
 
@@ -80,7 +80,7 @@ def _gate(
         gate = producers.get(g)
         if sigmoid is None or sigmoid.op_type != "Sigmoid" or sigmoid.input[0] != g or not _is_gemm(gate):
             continue
-        plain = [n for n in readers.get(g, []) if n is None or n.op_type != "Shape"]
+        plain = onnx_values.data_readers(readers, g)
         if sorted(map(id, plain)) == sorted((id(sigmoid), id(mul))) and _only(readers, s) is mul:
             return gate, [sigmoid, mul]
     return None

@@ -73,7 +73,7 @@ def _chain(first: onnx.NodeProto, readers: dict[str, list]) -> Chain | None:
     value, gelu, reshaped = first.output[0], False, 0
     while True:
         found = readers.get(value, [])
-        main = [n for n in found if n is None or n.op_type != "Shape"]
+        main = onnx_values.data_readers(readers, value)
         node = main[0] if len(main) == 1 else None
         if node is None or node.input[0] != value or value in node.input[1:]:
             return None

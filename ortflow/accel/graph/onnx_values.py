@@ -102,6 +102,12 @@ def reader_nodes(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto | None
     return found
 
 
+def data_readers(readers: dict[str, list[onnx.NodeProto | None]], name: str) -> list[onnx.NodeProto | None]:
+    """The readers of `name` (from `reader_nodes`) that read its data: every one but Shape nodes, which read only its
+    dims (ORTModule's exports read a view's sizes so)."""
+    return [n for n in readers.get(name, []) if n is None or n.op_type != "Shape"]
+
+
 def place_before(graph: onnx.GraphProto, before: dict[int, list[onnx.NodeProto]], dropped: set[int]) -> None:
     """Rewrite the graph's node list in place, keeping its order: the nodes `before[id(node)]` go just before `node`,
     and the nodes whose id is in `dropped` go."""
