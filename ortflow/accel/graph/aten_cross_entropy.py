@@ -226,7 +226,7 @@ def fuse_lm_head_losses(model: onnx.ModelProto) -> int:
         if reshape is None or reshape.op_type != "Reshape" or onnx_values.attribute(reshape, "allowzero", 0):
             continue
         gemm = producer.get(reshape.input[0])
-        if gemm is None or aten_nodes.operator(gemm) != aten_gemm.OPERATOR or gemm.output[0] != reshape.input[0]:
+        if not aten_gemm.is_gemm(gemm) or gemm.output[0] != reshape.input[0]:
             continue
         logits = gemm.output[0]
         if reads.get(logits, 0) != 1 + (logits in outputs) or reads.get(loss.input[0], 0) != 1:

@@ -22,6 +22,7 @@ only while an ORT engine exports):
 
 from typing import Any
 
+import onnx
 import torch
 from torch.onnx import symbolic_helper
 
@@ -39,6 +40,11 @@ _LIBRARY.define(
     "gemm_bf16_backward(Tensor grad_output, Tensor a16, Tensor b16, Tensor? bias, bool transpose_b, bool[] output_mask)"
     " -> (Tensor, Tensor, Tensor)"
 )
+
+
+def is_gemm(node: onnx.NodeProto | None) -> bool:
+    """Whether an ONNX node (or None) is this module's bf16 GEMM."""
+    return node is not None and aten_nodes.operator(node) == OPERATOR
 
 
 def _bias(bias):

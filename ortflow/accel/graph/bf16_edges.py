@@ -136,10 +136,6 @@ def _zero(constants: dict[str, onnx.TensorProto], names: Any) -> bool:
     return tensor is not None and bool((numpy_helper.to_array(tensor) == 0).all())
 
 
-def _is_gemm(node: onnx.NodeProto | None) -> bool:
-    return node is not None and aten_nodes.operator(node) == aten_gemm.OPERATOR
-
-
 def gemm_relu_chains(model: onnx.ModelProto, masks: list | None = None) -> int:
     """Fuse each `gemm_bf16 -> ReLU -> [x * graph input] -> gemm_bf16` chain (module docstring) so that bf16 flows
     from the first GEMM to the second. `masks`: the dropout masks the engine feeds as graph inputs
@@ -159,7 +155,7 @@ def gemm_relu_chains(model: onnx.ModelProto, masks: list | None = None) -> int:
     before: dict[int, list[onnx.NodeProto]] = {}  # Constants to place before a fused node (empty mask, scale)
     fed = None if masks is None else {m.name: i for i, m in enumerate(masks)}
     for first in graph.node:
-        if not _is_gemm(first) or id(first) in removed:
+        if not aten_gemm.is_gemm(first) or id(first) in removed:
             continue
         chain = _chain(first, readers, producers, constants, types, fed)
         if chain is None:
@@ -208,7 +204,7 @@ def _chain(
             mask = other
         out, nodes = after.output[0], [*nodes, after]
         after = _only(readers, out)
-    if not _is_gemm(after) or after.input[0] != out or after.input[1] == out:
+    if not aten_gemm.is_gemm(after) or after.input[0] != out or after.input[1] == out:
         return None
     return mask, scale, nodes, after
 

@@ -63,10 +63,6 @@ def _only(readers: dict[str, list], name: str) -> onnx.NodeProto | None:
     return found[0] if len(found) == 1 else None
 
 
-def _is_gemm(node: onnx.NodeProto | None) -> bool:
-    return node is not None and aten_nodes.operator(node) == aten_gemm.OPERATOR
-
-
 def _gate(
     name: str, producers: dict[str, onnx.NodeProto], readers: dict[str, list]
 ) -> tuple[onnx.NodeProto, list[onnx.NodeProto]] | None:
@@ -78,7 +74,7 @@ def _gate(
     for g, s in (mul.input, mul.input[::-1]):
         sigmoid = producers.get(s)
         gate = producers.get(g)
-        if sigmoid is None or sigmoid.op_type != "Sigmoid" or sigmoid.input[0] != g or not _is_gemm(gate):
+        if sigmoid is None or sigmoid.op_type != "Sigmoid" or sigmoid.input[0] != g or not aten_gemm.is_gemm(gate):
             continue
         plain = onnx_values.data_readers(readers, g)
         if sorted(map(id, plain)) == sorted((id(sigmoid), id(mul))) and _only(readers, s) is mul:
@@ -95,7 +91,7 @@ def gated_chains(model: onnx.ModelProto) -> int:
     placed: dict[int, list[onnx.NodeProto]] = {}  # the down GEMM -> the silu_mul node placed just before it
     bf16: list[str] = []
     for down in list(graph.node):
-        product = producers.get(down.input[0]) if _is_gemm(down) else None
+        product = producers.get(down.input[0]) if aten_gemm.is_gemm(down) else None
         if product is None or product.op_type != "Mul" or _only(readers, product.output[0]) is not down:
             continue
         if down.input[0] in down.input[1:]:
@@ -103,7 +99,7 @@ def gated_chains(model: onnx.ModelProto) -> int:
         for silu, u in (product.input, product.input[::-1]):
             gate = _gate(silu, producers, readers)
             up = producers.get(u)
-            if gate is None or not _is_gemm(up) or _only(readers, u) is not product or up is gate[0]:
+            if gate is None or not aten_gemm.is_gemm(up) or _only(readers, u) is not product or up is gate[0]:
                 continue
             if _only(readers, silu) is not product:
                 continue

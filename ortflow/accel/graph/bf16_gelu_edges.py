@@ -79,7 +79,7 @@ def _chain(first: onnx.NodeProto, readers: dict[str, list]) -> Chain | None:
             return None
         shapes += [(n, reshaped) for n in found if n is not None and n.op_type == "Shape"]
         chain.append(node)
-        if aten_nodes.operator(node) == aten_gemm.OPERATOR:
+        if aten_gemm.is_gemm(node):
             return (chain, shapes) if gelu else None
         if aten_nodes.operator(node) == aten_gelu.OPERATOR and not gelu:
             gelu = True
@@ -109,7 +109,7 @@ def gemm_gelu_chains(model: onnx.ModelProto) -> int:
     renamed: dict[str, str] = {}
     moved: dict[int, onnx.NodeProto] = {}  # the second GEMM -> the GELU placed just before it
     for first in list(graph.node):
-        if aten_nodes.operator(first) != aten_gemm.OPERATOR:
+        if not aten_gemm.is_gemm(first):
             continue
         found = _chain(first, found_readers)
         if found is None:
