@@ -115,6 +115,49 @@ def assert_same_statistics(eager, engine) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ BatchNorm
+class CountsCopies(nn.Module):
+    """conv_bn, counting its deep copies."""
+
+    copies = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = conv_bn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+    def __deepcopy__(self, memo):
+        type(self).copies += 1
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
+
+
+def test_ortmodule_exports_without_a_copy_of_the_model_and_keeps_eagers_statistics(tmp_path):
+    """ORTModule runs a forward before each export (training and eval) to learn its outputs; it ran it on a deep copy
+    of the whole model, held beside the training session. It runs on the model itself now, its BatchNorm statistics
+    put back: they end as eager's, updated once per step."""
+    batches = images(2)
+    torch.manual_seed(0)
+    model = CountsCopies()
+    eager = make_engine("none", copy.deepcopy(model), batches[0], tmp_path)
+    engine = make_engine("ortmodule", model, batches[0], tmp_path)
+    copies = CountsCopies.copies  # the test's own copy for eager, and whatever the engine's build made
+    expected = [eager.train_step(x, y) for x, y in batches]
+    got = [engine.train_step(x, y) for x, y in batches]  # the training graph's export
+    x, y = images(1, seed=1)[0]
+    want, have = eager.eval_step(x, y), engine.eval_step(x, y)  # the eval graph's
+    assert_ort_trained(engine, 2)
+    assert engine.describe()["ort_eval_batches"] == 1
+    assert CountsCopies.copies == copies
+    assert have.loss_sum == pytest.approx(want.loss_sum, rel=1e-4)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=RTOL["ortmodule"], atol=0)
+    assert_same_statistics(eager, engine)
+    assert int(engine.model_state_dict()["inner.1.num_batches_tracked"]) == 2
+
+
 @pytest.mark.parametrize("kind", ["ortmodule", "artifacts"])
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
 def test_batchnorm_trains_and_keeps_eagers_running_statistics(kind, momentum, tmp_path):

@@ -204,3 +204,36 @@ def test_a_failed_extension_build_names_its_log_and_quotes_its_end(tmp_path):
     log = tmp_path / "build.log"
     with pytest.raises(OrtflowError, match=r"(?s)extension\(s\) broken failed.*build\.log.*no compiler here"):
         extensions._compile(cpu, tmp_path, log)
+
+
+def test_ortmodules_output_probe_runs_on_the_module_itself_and_puts_its_buffers_back():
+    """Before each export ORTModule runs one forward to learn its outputs, on a deep copy of the module in ORT 1.19.2;
+    patched, it runs on the module (no copy of its weights held), whose buffers it then puts back."""
+    import logging
+
+    from ortflow.accel.compat import ortmodule_patches
+    from ortflow.accel.graph import ortmodule_export
+
+    ortmodule_patches.patch_ortmodule(ortmodule_export.HOOKS)
+    from onnxruntime.training.ortmodule import _io
+
+    class Probed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(3)
+            self.calls = 0
+            self._output_schema = None
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+            self.calls += 1
+            return (self.norm(x),)
+
+    module = Probed().train()
+    before = {name: b.clone() for name, b in module.named_buffers()}
+    names, _, _ = _io.parse_outputs_for_onnx_export_and_extract_schema(
+        module, [torch.randn(4, 3) + 5], logging.getLogger("test"), True
+    )
+    assert names == ["output-0"]
+    assert module.calls == 1  # the module itself ran, not a copy
+    for name, value in module.named_buffers():
+        assert torch.equal(value, before[name]), name
