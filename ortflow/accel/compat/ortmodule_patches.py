@@ -78,6 +78,9 @@ class _Scope:
 # ORT's patched methods read its settings and count into its counter, so engines in one process never mix.
 _ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("ortflow_ortmodule_scope", default=None)
 _patched = False
+# True while ORTModule's forward that learns the outputs runs (`_schema_forward_without_a_model_copy`): not the trace,
+# so the export hooks leave it under ORTModule's no_grad.
+PROBING_OUTPUTS: contextvars.ContextVar[bool] = contextvars.ContextVar("ortflow_probing_outputs", default=False)
 
 
 def _count(cls: type, method: str, kind: str) -> None:
@@ -223,14 +226,20 @@ def _schema_forward_without_a_model_copy() -> None:
 
     Here the forward runs on the module itself, and its buffers are put back afterwards: what a forward changes in a
     module's tensors is its buffers (BatchNorm's statistics in training mode), as the copy protected. Python state a
-    forward changes (a call counter) is changed by the export's own trace of the module all the same."""
+    forward changes (a call counter) is changed by the export's own trace of the module all the same. It runs under
+    ORTModule's no_grad: `PROBING_OUTPUTS` tells the export hooks, which trace the forward with grad on, that this
+    forward is not the trace."""
     from onnxruntime.training.ortmodule import _io
 
     parse = _io.parse_outputs_for_onnx_export_and_extract_schema
 
     def parse_on_the_module(module, flatten_args, logger, clone_module):
-        with buffers_kept(module):
-            return parse(module, flatten_args, logger, False)
+        token = PROBING_OUTPUTS.set(True)
+        try:
+            with buffers_kept(module):
+                return parse(module, flatten_args, logger, False)
+        finally:
+            PROBING_OUTPUTS.reset(token)
 
     _io.parse_outputs_for_onnx_export_and_extract_schema = parse_on_the_module
 

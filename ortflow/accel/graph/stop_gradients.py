@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ortflow.accel.compat import ortmodule_patches
 from ortflow.accel.graph import plan as graph_plan
 
 NAME = "stop_gradients"
@@ -112,6 +113,9 @@ def traced_with_grad(module: nn.Module) -> Iterator[None]:
 
     def enable(mod: nn.Module, args: Any) -> None:
         previous.append(torch.is_grad_enabled())
+        if ortmodule_patches.PROBING_OUTPUTS.get():  # not the trace: ORTModule's forward that learns the outputs
+            modes.append(contextlib.ExitStack())
+            return
         torch.set_grad_enabled(True)
         stack = contextlib.ExitStack()
         stack.enter_context(_NoGradRegions())

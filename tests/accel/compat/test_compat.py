@@ -208,11 +208,12 @@ def test_a_failed_extension_build_names_its_log_and_quotes_its_end(tmp_path):
 
 def test_ortmodules_output_probe_runs_on_the_module_itself_and_puts_its_buffers_back():
     """Before each export ORTModule runs one forward to learn its outputs, on a deep copy of the module in ORT 1.19.2;
-    patched, it runs on the module (no copy of its weights held), whose buffers it then puts back."""
+    patched, it runs on the module (no copy of its weights held), whose buffers it then puts back, and under
+    ORTModule's no_grad even inside the export's hooks (which trace the forward with grad on: no autograd graph)."""
     import logging
 
     from ortflow.accel.compat import ortmodule_patches
-    from ortflow.accel.graph import ortmodule_export
+    from ortflow.accel.graph import ortmodule_export, stop_gradients
 
     ortmodule_patches.patch_ortmodule(ortmodule_export.HOOKS)
     from onnxruntime.training.ortmodule import _io
@@ -226,14 +227,17 @@ def test_ortmodules_output_probe_runs_on_the_module_itself_and_puts_its_buffers_
 
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
             self.calls += 1
+            self.grad_enabled = torch.is_grad_enabled()
             return (self.norm(x),)
 
     module = Probed().train()
     before = {name: b.clone() for name, b in module.named_buffers()}
-    names, _, _ = _io.parse_outputs_for_onnx_export_and_extract_schema(
-        module, [torch.randn(4, 3) + 5], logging.getLogger("test"), True
-    )
+    with stop_gradients.traced_with_grad(module):
+        names, _, _ = _io.parse_outputs_for_onnx_export_and_extract_schema(
+            module, [torch.randn(4, 3) + 5], logging.getLogger("test"), True
+        )
     assert names == ["output-0"]
     assert module.calls == 1  # the module itself ran, not a copy
+    assert module.grad_enabled is False
     for name, value in module.named_buffers():
         assert torch.equal(value, before[name]), name
