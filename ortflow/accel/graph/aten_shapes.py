@@ -91,6 +91,19 @@ def gemm_shape(inference: Any, node: Any) -> None:
     _set(inference, node, 2, TensorProto.BFLOAT16, b)
 
 
+def attention_shape(inference: Any, node: Any) -> None:
+    """`ortflow::attention_bf16`: the output in fp32 (the query's shape with the value's last dim), the bf16 copies
+    of the query, key, value and output, and the fp32 log-sum-exp (the query's shape without its last dim)."""
+    from onnx import TensorProto
+
+    q, k, v = (inference._get_sympy_shape(node, i) for i in range(3))
+    out = [*q[:-1], v[-1]]
+    _set(inference, node, 0, TensorProto.FLOAT, out)
+    for index, shape in ((1, q), (2, k), (3, v), (4, out)):
+        _set(inference, node, index, TensorProto.BFLOAT16, shape)
+    _set(inference, node, 5, TensorProto.FLOAT, q[:-1])
+
+
 def linear_loss_shape(inference: Any, node: Any) -> None:
     """`ortflow::linear_cross_entropy_bf16` (the GEMM's inputs, then the loss's): the loss, a float scalar; the
     logits' gradient, bf16 of the product's shape; the bf16 copies of a and b; the logits in fp32."""

@@ -24,6 +24,7 @@ from torch import nn
 
 from ortflow.accel.compat import torch_onnx
 from ortflow.accel.graph import (  # noqa: F401  every op module: importing one declares its op
+    aten_attention,
     aten_conv,
     aten_cross_entropy,
     aten_embedding,

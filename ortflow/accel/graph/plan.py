@@ -103,6 +103,11 @@ class GraphSettings:
     # (accel/graph/aten_gelu.py), not ORT's FastGelu/FastGeluGrad, whose gradient took 105 ms per (1024 x 3072) call
     # against torch's 4-10 ms on a 2-core Zen 5. null: on with trainer.precision=bf16-mixed, off in fp32.
     aten_gelu: bool | None = None
+    # scaled_dot_product_attention run by torch's fused bf16 kernel inside ORT's graphs (accel/graph/aten_attention.py)
+    # where eager runs that kernel (no attention dropout), not written out as fp32 MatMuls and Softmax, whose
+    # probabilities the backward keeps (14.7 MB a layer at the Qwen2 LoRA shape). null: on with
+    # trainer.precision=bf16-mixed, off in fp32.
+    aten_attention: bool | None = None
     # Cross-entropy run by torch's kernels inside ORT's graphs (accel/graph/aten_cross_entropy.py), not ORT's
     # SoftmaxCrossEntropyLoss, which took 237 ms forward + 53 ms gradient on GPT-2's (1024 x 50,257) logits against
     # ~95 ms for torch's on a 2-core Zen 5. null: on with trainer.precision=bf16-mixed, off in fp32.
