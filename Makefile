@@ -28,7 +28,7 @@ RANGE_TESTS ?= tests/accel/compat/test_compat.py tests/accel/test_engines.py tes
 	tests/accel/test_hooks.py tests/check/test_parity.py tests/check/test_planted.py \
 	tests/accel/graph/test_decomposition_precision.py tests/accel/graph/test_bf16_edges.py tests/accel/graph/test_aten_relu.py \
 	tests/accel/test_stop_gradients.py tests/accel/graph/test_bf16_gelu_edges.py tests/accel/graph/test_bf16_gated_edges.py \
-	tests/accel/test_artifacts_weights.py
+	tests/accel/test_artifacts_weights.py tests/accel/graph/test_aten_attention.py
 BIN := $(VENV)/bin
 TRAIN_STAMP := $(VENV)/.ortflow-train
 TEST_STAMP := $(VENV)/.ortflow-test
