@@ -59,7 +59,8 @@ def attention_with_functional_dropout(
     if dropout_p == 0.0 or enable_gqa:
         return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     length, source = query.size(-2), key.size(-2)
-    scores = torch.einsum("...qd,...kd->...qk", query, key) if fp32_products else query @ key.transpose(-2, -1)
+    scores_of, weighted = _equations(query, key, value)
+    scores = torch.einsum(scores_of, query, key) if fp32_products else query @ key.transpose(-2, -1)
     weights = scores * (1 / math.sqrt(query.size(-1)) if scale is None else scale)
     masks = [torch.ones(length, source, dtype=torch.bool, device=query.device).tril()] if is_causal else []
     masks += [] if attn_mask is None else [attn_mask]
@@ -74,7 +75,17 @@ def attention_with_functional_dropout(
         else:
             weights = weights.masked_fill(mask.logical_not(), float("-inf"))
     weights = torch.nn.functional.dropout(torch.softmax(weights, dim=-1), dropout_p)
-    return torch.einsum("...qk,...kd->...qd", weights, value) if fp32_products else weights @ value
+    return torch.einsum(weighted, weights, value) if fp32_products else weights @ value
+
+
+def _equations(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[str, str]:
+    """The attention's two einsum equations, each leading dim named where the operands have one rank: ORTModule's
+    export may leave an ellipsis's rank unknown to the graph's types, and ORT has no Einsum gradient, so an
+    einsum with one could not be written as the MatMul it is (accel/graph/einsum.py needs the ranks)."""
+    if not query.dim() == key.dim() == value.dim() or query.dim() > 24:
+        return "...qd,...kd->...qk", "...qk,...kd->...qd"
+    lead = "abcefghijlmnoprstuvwxyz"[: query.dim() - 2]  # not q, k, d
+    return f"{lead}qd,{lead}kd->{lead}qk", f"{lead}qk,{lead}kd->{lead}qd"
 
 
 @contextlib.contextmanager

@@ -78,8 +78,12 @@ def test_both_engines_run_attention_by_torchs_kernel_and_pass_the_first_step_che
 @pytest.mark.filterwarnings("ignore:You are using the legacy TorchScript-based ONNX export")
 @pytest.mark.parametrize(
     "mode, model, overrides",
-    [("artifacts", lambda: Attention(p=0.1), []), ("ortmodule", Attention, ["accel.aten_attention=false"])],
-    ids=["attention-dropout", "setting-off"],
+    [
+        ("artifacts", lambda: Attention(p=0.1), []),
+        ("ortmodule", lambda: Attention(p=0.1), []),
+        ("ortmodule", Attention, ["accel.aten_attention=false"]),
+    ],
+    ids=["attention-dropout-artifacts", "attention-dropout-ortmodule", "setting-off"],
 )
 def test_attention_dropout_or_the_setting_off_keeps_the_written_out_attention(mode, model, overrides, tmp_path):
     engine, example = _engine(mode, model(), tmp_path, *overrides)
