@@ -97,9 +97,14 @@ def _float4(value) -> bool:
     return symbolic_helper._get_tensor_rank(value) == 4 and value.type().scalarType() == "Float"
 
 
+def _absent(value) -> bool:
+    """Whether a traced optional argument was not given."""
+    return value is None or symbolic_helper._is_none(value)
+
+
 def _constant(value, kind: str) -> Any:
     """A traced argument's constant value (None: none given, or not a constant)."""
-    if value is None or symbolic_helper._is_none(value):
+    if _absent(value):
         return None
     found = symbolic_helper._maybe_get_const(value, kind)
     return None if isinstance(found, torch._C.Value) else found
@@ -112,16 +117,16 @@ def attention(native):
     def symbolic(g, query, key, value, attn_mask=None, dropout_p=None, is_causal=None, scale=None, enable_gqa=None):
         args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         causal, gqa, dropout = _constant(is_causal, "b"), _constant(enable_gqa, "b"), _constant(dropout_p, "f")
-        no_mask = attn_mask is None or symbolic_helper._is_none(attn_mask)
+        no_mask = _absent(attn_mask)
         boolean = not no_mask and attn_mask.type().scalarType() == "Bool"
-        given_scale = None if scale is None or symbolic_helper._is_none(scale) else _constant(scale, "f")
+        given_scale = _constant(scale, "f")
         if (
             not all(_float4(t) for t in (query, key, value))
             or dropout != 0.0
             or gqa
             or causal is None
             or not (no_mask or (boolean and not causal))
-            or (given_scale is None and not (scale is None or symbolic_helper._is_none(scale)))
+            or (given_scale is None and not _absent(scale))  # a scale that is no constant
         ):
             return native(g, *args[: 8 if enable_gqa is not None else 7])
         mask = g.op("Constant", value_t=torch.zeros(0, dtype=torch.bool)) if no_mask else attn_mask
